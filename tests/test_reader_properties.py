@@ -1,0 +1,135 @@
+"""Property tests: the streamed reading equals the whole reading, byte for byte.
+
+Outputs are built from every marker the reader knows, partial markers, whitespace and
+text; chunkings are 1 character, 1 token (real K3 BPE pieces), random splits and the
+whole output. Long outputs put a marker across the 4095/4096 boundary.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_k3_plugin import vocab
+from vllm_k3_plugin.reasoning_reader import (
+    Channel,
+    ReasoningReader,
+    ReplayPolicy,
+    collect,
+    read_whole,
+)
+
+MARKERS = list(vocab.REASONING_MARKERS)
+PARTIALS = [m[:i] for m in MARKERS for i in range(1, len(m))]
+CONTROL = (vocab.OPEN, vocab.CLOSE, vocab.SEP, vocab.END_OF_MSG)
+
+outputs = st.lists(
+    st.one_of(
+        st.sampled_from(MARKERS),
+        st.sampled_from(PARTIALS),
+        st.sampled_from([" ", "\n", "\t "]),
+        st.text(alphabet="ab<|>é 思", max_size=5),
+    ),
+    max_size=30,
+).map("".join)
+
+
+def streamed(chunks, start, stopped, policy):
+    reader = ReasoningReader(start=start, policy=policy)
+    events = []
+    for chunk in chunks:
+        events += reader.feed(chunk)
+    events += reader.finish(stopped=stopped)
+    return collect(events)
+
+
+def split_at(text, cuts):
+    cuts = sorted(set(cuts))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@given(
+    outputs,
+    st.sampled_from([Channel.THINK, Channel.RESPONSE]),
+    st.booleans(),
+    st.sampled_from(list(ReplayPolicy)),
+    st.data(),
+)
+def test_streaming_equals_the_whole_read(text, start, stopped, policy, data):
+    whole = read_whole(text, start=start, stopped=stopped, policy=policy)
+    assert streamed(list(text), start, stopped, policy) == whole
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=10))
+    assert streamed(split_at(text, cuts), start, stopped, policy) == whole
+
+
+@given(outputs, st.sampled_from([Channel.THINK, Channel.RESPONSE]), st.booleans())
+def test_framing_never_reaches_content(text, start, stopped):
+    for policy in ReplayPolicy:
+        content = read_whole(text, start=start, stopped=stopped, policy=policy).content
+        # A control atom in content could only have come from the output's markers.
+        for atom in CONTROL:
+            assert atom not in content
+
+
+whole_marker_outputs = st.lists(
+    st.one_of(
+        st.sampled_from(MARKERS),
+        st.text(alphabet="ab é思 \n", max_size=5),
+    ),
+    max_size=30,
+).map("".join)
+
+
+def without_markers(text):
+    for marker in sorted(MARKERS, key=len, reverse=True):
+        text = text.replace(marker, "")
+    return text
+
+
+@given(
+    whole_marker_outputs,
+    st.sampled_from([Channel.THINK, Channel.RESPONSE]),
+    st.booleans(),
+)
+def test_no_text_is_lost(text, start, stopped):
+    # Under hold-back nothing is sent twice, so every character outside the markers
+    # lands exactly once in reasoning, content or the tools channel.
+    reading = read_whole(
+        text, start=start, stopped=stopped, policy=ReplayPolicy.HOLD_BACK
+    )
+    delivered = reading.reasoning + reading.content + reading.tool_markup
+    assert sorted(without_markers(delivered)) == sorted(without_markers(text))
+
+
+@given(
+    st.sampled_from(MARKERS),
+    st.integers(4090, 4100),
+    st.sampled_from(list(ReplayPolicy)),
+)
+def test_a_marker_across_a_4096_boundary(marker, offset, policy):
+    text = "x" * offset + marker + "y" * 200 + vocab.RESPONSE_END + vocab.MESSAGE_END
+    for start in (Channel.THINK, Channel.RESPONSE):
+        whole = read_whole(text, start=start, stopped=True, policy=policy)
+        chunks = [text[i : i + 4096] for i in range(0, len(text), 4096)]
+        assert streamed(chunks, start, True, policy) == whole
+        assert (
+            streamed(split_at(text, [4095, 4096, 4097]), start, True, policy) == whole
+        )
+
+
+def test_token_chunking_with_the_real_tokenizer(k3_tokenizer):
+    text = (
+        "Let me check the weather <|close|>response<|sep|> quoted, ok."
+        + vocab.THINK_END
+        + vocab.RESPONSE_START
+        + "It is sunny in Paris, 21°C."
+        + vocab.RESPONSE_END
+        + vocab.MESSAGE_END
+    )
+    ids = k3_tokenizer.encode(text, allowed_special="all")
+    pieces = [k3_tokenizer.decode([i]) for i in ids]
+    assert "".join(pieces) == text
+    for policy in ReplayPolicy:
+        whole = read_whole(text, stopped=True, policy=policy)
+        assert streamed(pieces, Channel.THINK, True, policy) == whole
+        assert whole.content == "It is sunny in Paris, 21°C."

@@ -1,0 +1,23 @@
+"""vllm-k3-plugin: Kimi-K3 parsers for vLLM, loaded as a ``vllm.general_plugins`` entry.
+
+``register()`` runs in every vLLM process (API server, engine core, workers). It is
+cheap and idempotent: it imports only vLLM's parser registries and our adapter module,
+and registers each thing once per process.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_registered = False
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group."""
+    global _registered
+    if _registered:
+        return
+    from vllm_k3_plugin.vllm_adapter.registration import register_all
+
+    register_all()
+    _registered = True

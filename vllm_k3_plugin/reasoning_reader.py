@@ -1,0 +1,262 @@
+"""ReasoningReader: the think/response/tools state machine of K3_FORMAT.md, rules 1-7.
+
+Sans-I/O: feed model text in any chunking, get ``Reasoning`` / ``Content`` /
+``ToolMarkup`` events; ``finish(stopped=...)`` ends the output. The non-streaming read
+is this reader fed the whole output (``read_whole``), so the two agree by construction.
+
+Invariants:
+
+- Work per feed is proportional to the chunk (plus one replay of the channel when a
+  skipped channel is decided); nothing rescans earlier text.
+- Framing never reaches content; inside the think channel it is dropped, and only a
+  quoted answer closer (one the channel goes on past) reaches reasoning.
+- The think channel is kept once (``io.StringIO``) while it is open, only because the
+  replay or the hold-back policy needs it, and dropped when the channel is decided.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+from typing import NamedTuple
+
+from vllm_k3_plugin import vocab
+from vllm_k3_plugin.scanner import Marker, MarkerScanner, Text
+
+
+class Reasoning(NamedTuple):
+    text: str
+
+
+class Content(NamedTuple):
+    text: str
+
+
+class ToolMarkup(NamedTuple):
+    """Raw text of the tools channel, markers included, for the tool-call reader."""
+
+    text: str
+
+
+ReaderEvent = Reasoning | Content | ToolMarkup
+
+
+class Channel(enum.Enum):
+    THINK = "think"
+    RESPONSE = "response"
+    TOOLS = "tools"
+    DONE = "done"
+
+
+class ReplayPolicy(enum.Enum):
+    """What happens to a think channel that turns out to be the reply (rule 5)."""
+
+    REPLAY = "replay"
+    """Reasoning streams live; a skipped channel is sent again as content."""
+    HOLD_BACK = "hold-back"
+    """Think text is held until the channel is decided, then sent once."""
+
+
+class Reading(NamedTuple):
+    """A whole output read: what each field receives."""
+
+    reasoning: str
+    content: str
+    tool_markup: str
+
+
+_THINK_EXITS = frozenset(vocab.THINK_EXITS)
+
+
+class ReasoningReader:
+    """One request's reader. ``start`` is the channel the prompt leaves open."""
+
+    __slots__ = (
+        "_after_closer",
+        "_at_offset_zero",
+        "_channel",
+        "_closer_pending",
+        "_events",
+        "_kept",
+        "_policy",
+        "_scanner",
+    )
+
+    def __init__(
+        self,
+        start: Channel = Channel.THINK,
+        policy: ReplayPolicy = ReplayPolicy.REPLAY,
+    ) -> None:
+        if start not in (Channel.THINK, Channel.RESPONSE):
+            raise ValueError(f"an output starts in think or response, not {start}")
+        self._scanner = MarkerScanner(vocab.REASONING_MARKERS)
+        self._channel = start
+        self._policy = policy
+        self._at_offset_zero = True
+        self._kept: io.StringIO | None = (
+            io.StringIO() if start is Channel.THINK else None
+        )
+        # After an answer closer in the think channel: the closer, whitespace and
+        # framing that followed it, undecided until words, an exit or the end come.
+        self._closer_pending = False
+        self._after_closer: list[str] = []
+        self._events: list[ReaderEvent] = []
+
+    @property
+    def channel(self) -> Channel:
+        return self._channel
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the think channel is still open (the engine's question)."""
+        return self._channel is Channel.THINK
+
+    def feed(self, text: str) -> list[ReaderEvent]:
+        """Read the next chunk of the output; return the events it decides."""
+        if self._channel is Channel.DONE:
+            raise RuntimeError("feed() after finish()")
+        self._events = events = []
+        for event in self._scanner.feed(text):
+            self._on_event(event)
+        return events
+
+    def finish(self, *, stopped: bool) -> list[ReaderEvent]:
+        """End of the output. ``stopped``: the model stopped itself (EOS, a stop
+        token or a stop string), as opposed to a ``max_tokens`` cut or an abort."""
+        if self._channel is Channel.DONE:
+            return []
+        self._events = events = []
+        cut = "".join(event.text for event in self._scanner.finish())
+        # A marker cut off at the end is not a marker: never content, and not words
+        # after a closer. Reasoning keeps it as text; the tool reader sees it raw.
+        if self._channel is Channel.THINK:
+            self._end_think(replay=self._closer_pending and stopped)
+            if cut:
+                events.append(Reasoning(cut))
+        elif self._channel is Channel.TOOLS and cut:
+            events.append(ToolMarkup(cut))
+        self._channel = Channel.DONE
+        return events
+
+    # -- dispatch -----------------------------------------------------------------
+
+    def _on_event(self, event: Text | Marker) -> None:
+        channel = self._channel
+        if type(event) is Text:
+            if channel is Channel.THINK:
+                self._think_text(event.text)
+            elif channel is Channel.RESPONSE:
+                self._at_offset_zero = False
+                self._events.append(Content(event.text))
+            else:
+                self._events.append(ToolMarkup(event.text))
+            return
+        marker = event.marker
+        if channel is Channel.THINK:
+            self._think_marker(marker)
+        elif channel is Channel.RESPONSE:
+            self._response_marker(marker)
+        else:
+            self._events.append(ToolMarkup(marker))
+            if marker == vocab.TOOLS_END:
+                self._channel = Channel.RESPONSE
+                self._at_offset_zero = False
+
+    # -- think channel ------------------------------------------------------------
+
+    def _think_text(self, text: str) -> None:
+        self._at_offset_zero = False
+        if self._closer_pending:
+            if text.isspace():
+                self._after_closer.append(text)
+                return
+            # Words after the closer: it was quoted, and goes on as reasoning.
+            self._closer_pending = False
+            quoted, self._after_closer = "".join(self._after_closer), []
+            self._emit_reasoning(quoted)
+        self._emit_reasoning(text)
+
+    def _think_marker(self, marker: str) -> None:
+        if marker in _THINK_EXITS:
+            self._end_think(replay=False)
+            self._channel = Channel.RESPONSE
+            self._at_offset_zero = False
+        elif marker == vocab.TOOLS_START:
+            self._end_think(replay=self._closer_pending)
+            self._enter_tools(marker)
+        elif marker == vocab.RESPONSE_END:
+            self._at_offset_zero = False
+            self._closer_pending = True
+            self._after_closer.append(marker)
+        # Other framing inside the think channel is dropped.
+
+    def _emit_reasoning(self, text: str) -> None:
+        if not text:
+            return
+        if self._kept is not None:
+            self._kept.write(text)
+        if self._policy is ReplayPolicy.REPLAY:
+            self._events.append(Reasoning(text))
+
+    def _end_think(self, *, replay: bool) -> None:
+        """Decide the think channel: it was the reply (``replay``) or a thought."""
+        pending_space = "".join(
+            piece for piece in self._after_closer if piece.isspace()
+        )
+        self._after_closer = []
+        self._closer_pending = False
+        self._emit_reasoning(pending_space)
+        kept = self._kept.getvalue() if self._kept is not None else ""
+        self._kept = None
+        if self._policy is ReplayPolicy.HOLD_BACK:
+            if kept:
+                self._events.append(Content(kept) if replay else Reasoning(kept))
+        elif replay and kept:
+            self._events.append(Content(kept))
+
+    # -- response channel ---------------------------------------------------------
+
+    def _response_marker(self, marker: str) -> None:
+        if marker == vocab.TOOLS_START:
+            self._enter_tools(marker)
+        elif self._at_offset_zero and marker == vocab.THINK_START:
+            # A thinking-off output that opens its own think channel.
+            self._channel = Channel.THINK
+            self._kept = io.StringIO()
+        # The think exit at offset 0 means "declined to think"; it and all other
+        # framing are dropped from content.
+
+    def _enter_tools(self, marker: str) -> None:
+        self._channel = Channel.TOOLS
+        self._at_offset_zero = False
+        self._events.append(ToolMarkup(marker))
+
+
+def read_whole(
+    text: str,
+    *,
+    stopped: bool,
+    start: Channel = Channel.THINK,
+    policy: ReplayPolicy = ReplayPolicy.REPLAY,
+) -> Reading:
+    """The non-streaming read: the streaming reader fed the whole output once."""
+    reader = ReasoningReader(start=start, policy=policy)
+    events = reader.feed(text)
+    events += reader.finish(stopped=stopped)
+    return collect(events)
+
+
+def collect(events: list[ReaderEvent]) -> Reading:
+    """Join events into the three fields."""
+    reasoning: list[str] = []
+    content: list[str] = []
+    tools: list[str] = []
+    for event in events:
+        kind = type(event)
+        if kind is Reasoning:
+            reasoning.append(event.text)
+        elif kind is Content:
+            content.append(event.text)
+        else:
+            tools.append(event.text)
+    return Reading("".join(reasoning), "".join(content), "".join(tools))

@@ -1,0 +1,105 @@
+"""Every Kimi-K3 marker string and control token id, spelled once.
+
+The element grammar is ``<|open|>NAME attrs<|sep|> ... <|close|>NAME<|sep|>``. The three
+atoms are added, non-special tokens; element names are ordinary BPE text, so a marker
+such as ``<|close|>think<|sep|>`` is several tokens. Everything else in the package
+imports these names instead of writing the literals.
+"""
+
+from __future__ import annotations
+
+OPEN = "<|open|>"
+CLOSE = "<|close|>"
+SEP = "<|sep|>"
+END_OF_MSG = "<|end_of_msg|>"
+
+BOS_TOKEN = "[BOS]"
+EOS_TOKEN = "[EOS]"
+EOT_TOKEN = "[EOT]"
+UNK_TOKEN = "[UNK]"
+PAD_TOKEN = "[PAD]"
+
+
+def opener(name: str, attrs: str = "") -> str:
+    """``<|open|>name attrs<|sep|>``."""
+    return f"{OPEN}{name}{' ' + attrs if attrs else ''}{SEP}"
+
+
+def closer(name: str) -> str:
+    """``<|close|>name<|sep|>``."""
+    return f"{CLOSE}{name}{SEP}"
+
+
+THINK_START = opener("think")
+THINK_END = closer("think")
+# Seen in the wild: the think closer without its separator, then the next channel.
+THINK_END_UNSEPARATED = f"{CLOSE}think"
+RESPONSE_START = opener("response")
+RESPONSE_END = closer("response")
+TOOLS_START = opener("tools")
+TOOLS_END = closer("tools")
+CALL_END = closer("call")
+ASSISTANT_START = opener("message", 'role="assistant"')
+MESSAGE_END = closer("message")
+
+# Generation prefixes the chat template writes at the end of the prompt.
+THINKING_ON_PREFIX = ASSISTANT_START + THINK_START
+THINKING_OFF_PREFIX = ASSISTANT_START + RESPONSE_START
+
+# Control token ids (the 256 slots from 163584 are control ids; unnamed ones are
+# reserved).
+BOS_ID = 163584
+EOS_ID = 163585
+END_OF_MSG_ID = 163586  # the model's stop token (config ``eos_token_id``)
+OPEN_ID = 163587
+CLOSE_ID = 163588
+SEP_ID = 163589
+EOT_ID = 163593
+UNK_ID = 163838
+PAD_ID = 163839
+CONTROL_ID_BASE = 163584
+CONTROL_ID_COUNT = 256
+BPE_RANK_COUNT = 163584
+VOCAB_SIZE = CONTROL_ID_BASE + CONTROL_ID_COUNT
+
+# Added (not special) tokens: the renderer disallows them in user text, so they reach
+# the model only from the template or from the model itself.
+ADDED_TOKENS: dict[str, int] = {OPEN: OPEN_ID, CLOSE: CLOSE_ID, SEP: SEP_ID}
+SPECIAL_TOKENS: dict[str, int] = {
+    BOS_TOKEN: BOS_ID,
+    EOS_TOKEN: EOS_ID,
+    END_OF_MSG: END_OF_MSG_ID,
+    EOT_TOKEN: EOT_ID,
+    UNK_TOKEN: UNK_ID,
+    PAD_TOKEN: PAD_ID,
+}
+
+# Ids after which the model has stopped itself (the stop token, and EOS for safety).
+MODEL_STOP_IDS = frozenset({END_OF_MSG_ID, EOS_ID, EOT_ID})
+
+# Markers that end the think channel: the model answered in its own channel.
+THINK_EXITS = (THINK_END, THINK_END_UNSEPARATED, RESPONSE_START)
+
+# Framing: structure that never reaches content, and reaches reasoning only as quoted
+# text. Longest forms first so a bare atom never shadows the element it begins.
+FRAMING = (
+    ASSISTANT_START,
+    MESSAGE_END,
+    THINK_START,
+    TOOLS_END,
+    CALL_END,
+    END_OF_MSG,
+    OPEN,
+    CLOSE,
+    SEP,
+)
+
+# Every marker the reasoning reader distinguishes.
+REASONING_MARKERS = (
+    THINK_END,
+    THINK_END_UNSEPARATED,
+    RESPONSE_START,
+    RESPONSE_END,
+    TOOLS_START,
+    *FRAMING,
+)
