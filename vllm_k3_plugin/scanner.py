@@ -1,4 +1,4 @@
-"""MarkerScanner: text in, ``Text`` / ``Marker`` / ``Cut`` events out. Knows only strings.
+"""MarkerScanner: text in, ``Text`` / ``Marker`` / ``Cut`` events out; only strings.
 
 One buffer and a cursor, one compiled alternation of the markers, longest first, so a
 search at any position finds the leftmost marker and, there, the longest one (the same
@@ -117,7 +117,7 @@ class MarkerScanner:
         return [Cut(held)] if held else []
 
     def _undecided_tail(self, buf: str, pos: int) -> int:
-        """Where the longest suffix of ``buf[pos:]`` that could begin a marker starts."""
+        """Start of the longest suffix of ``buf[pos:]`` that could begin a marker."""
         end_of_buf = len(buf)
         first = max(pos, end_of_buf - self._max_hold)
         for index in range(first, end_of_buf):
