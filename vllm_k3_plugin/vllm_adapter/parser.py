@@ -1,0 +1,277 @@
+"""``K3Parser``: the combined parser the API server gets for ``kimi_k3``.
+
+Every endpoint (chat completions, responses, and ``/v1/messages``, which runs through
+chat completions) drives one ``Parser`` per request: ``parse`` for a whole output,
+``parse_delta`` once per engine step when streaming. Both feed one
+``ReasoningReader``; ``parse`` feeds it the whole output at once, so the two agree by
+construction.
+
+Why not vLLM's own ``KimiK3Parser`` around our reasoning parser: its
+``DelegatingParser.parse_delta`` rebuilds the whole text and id list every step and the
+reasoning parser API never learns how the output ended (rule 5 needs it). Here each
+step costs O(delta), and ``finished`` plus the last token id decide ``stopped``.
+
+The tools channel is handed, as raw markup, to the configured tool parser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.entrypoints.generate.base.protocol import DeltaMessage, FunctionCall
+from vllm.parser.abstract_parser import DelegatingParser
+
+from vllm_k3_plugin.channel_ids import ReasoningCount
+from vllm_k3_plugin.reasoning_reader import (
+    Channel,
+    Reading,
+    ReasoningReader,
+    collect,
+    read_whole,
+)
+from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
+from vllm_k3_plugin.vllm_adapter.request_state import (
+    model_stopped,
+    start_channel,
+    stop_ids_for,
+    thinking_requested,
+)
+from vllm_k3_plugin.vllm_adapter.settings import replay_policy
+
+
+def _tools_wanted(request: Any) -> bool:
+    return getattr(request, "tool_choice", None) != "none"
+
+
+def _reasoning_wanted(request: Any) -> bool:
+    return getattr(request, "include_reasoning", True) is not False
+
+
+class _ContentGate:
+    """Holds content while it is whitespace only.
+
+    A reply that makes tool calls and says nothing but whitespace has no content
+    (``None``, as OpenAI returns it). Streamed, that is only known at the end, so
+    leading whitespace waits until words arrive or the output ends; both paths apply
+    this one rule.
+    """
+
+    __slots__ = ("_held", "_open")
+
+    def __init__(self) -> None:
+        self._held: list[str] = []
+        self._open = False
+
+    def pass_through(self, text: str) -> str:
+        if self._open or not text:
+            return text
+        if text.isspace():
+            self._held.append(text)
+            return ""
+        self._open = True
+        held, self._held = "".join(self._held), []
+        return held + text
+
+    def close(self, *, tool_calls_made: bool) -> str:
+        held, self._held = "".join(self._held), []
+        return "" if tool_calls_made else held
+
+
+class _Stream:
+    """Per-request streaming state; nothing here grows with the reasoning."""
+
+    __slots__ = (
+        "calls_made",
+        "content_gate",
+        "last_id",
+        "output_len",
+        "prompt_len",
+        "reader",
+        "tool_text",
+    )
+
+    def __init__(self, reader: ReasoningReader, prompt_len: int) -> None:
+        self.reader = reader
+        self.prompt_len = prompt_len
+        self.output_len = 0
+        self.last_id: int | None = None
+        self.content_gate = _ContentGate()
+        # The tools channel so far: the tool parser's streaming API wants it whole.
+        self.tool_text = ""
+        self.calls_made = False
+
+
+class K3Parser(DelegatingParser):
+    """Reasoning, content and tool calls of a Kimi-K3 output."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        tools: list[Any] | None = None,
+        *args: Any,
+        model_config: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(tokenizer, tools, *args, model_config=model_config, **kwargs)
+        if not isinstance(self._reasoning_parser, K3ReasoningParser):
+            raise TypeError("K3Parser reads with the kimi_k3 reasoning parser")
+        self._thinking = thinking_requested(kwargs.get("chat_template_kwargs"))
+        self._policy = replay_policy()
+        self._max_model_len: int | None = getattr(model_config, "max_model_len", None)
+        self._prompt_ids: Sequence[int] | None = None
+        self._stream: _Stream | None = None
+        self._counted = ReasoningCount()
+
+    # -- shared -----------------------------------------------------------------------
+
+    @property
+    def k3_reasoning(self) -> K3ReasoningParser:
+        return self._reasoning_parser  # type: ignore[return-value]
+
+    def set_prompt_token_ids(self, prompt_token_ids: Sequence[int]) -> None:
+        self._prompt_ids = prompt_token_ids
+        self.k3_reasoning.set_prompt_token_ids(prompt_token_ids)
+
+    def _start(self, prompt_ids: Sequence[int] | None) -> Channel:
+        return start_channel(prompt_ids, self.k3_reasoning.decode, self._thinking)
+
+    def _stopped(
+        self, request: Any, *, last_id: int | None, output_len: int, prompt_len: int
+    ) -> bool:
+        return model_stopped(
+            last_id=last_id,
+            output_len=output_len,
+            prompt_len=prompt_len,
+            request=request,
+            stop_ids=stop_ids_for(self.model_tokenizer, request),
+            max_model_len=self._max_model_len,
+        )
+
+    def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        starts_in_think = self._start(self._prompt_ids) is Channel.THINK
+        return self._counted.update(
+            token_ids, self.k3_reasoning.decode, starts_in_think=starts_in_think
+        )
+
+    # -- whole output -----------------------------------------------------------------
+
+    def parse(
+        self,
+        model_output: str,
+        request: Any,
+        enable_auto_tools: bool = False,
+        model_output_token_ids: Sequence[int] = (),
+    ) -> tuple[str | None, str | None, list[FunctionCall] | None]:
+        # ``enable_auto_tools`` is not consulted: a tool parser exists only when the
+        # server enabled auto tool choice, and streaming never gets the flag.
+        self._initialize_history_tool_call_cnt(request)
+        ids = model_output_token_ids
+        reading = read_whole(
+            model_output,
+            start=self._start(self._prompt_ids),
+            stopped=self._stopped(
+                request,
+                last_id=ids[-1] if len(ids) else None,
+                output_len=len(ids),
+                prompt_len=len(self._prompt_ids or ()),
+            ),
+            policy=self._policy,
+        )
+        tool_calls, content = self._read_tools(reading, request)
+        gate = _ContentGate()
+        content = gate.pass_through(content) + gate.close(
+            tool_calls_made=bool(tool_calls)
+        )
+        reasoning = reading.reasoning if _reasoning_wanted(request) else ""
+        return reasoning or None, content or None, tool_calls
+
+    def _read_tools(
+        self, reading: Reading, request: Any
+    ) -> tuple[list[FunctionCall] | None, str]:
+        markup = reading.tool_markup
+        if self._tool_parser is None:
+            # No tool parser configured: the tools channel is the model's text.
+            return None, reading.content + markup
+        if not markup or not _tools_wanted(request):
+            return ([] if markup else None), reading.content
+        info = self.extract_tool_calls(markup, request)
+        if not info.tools_called:
+            return None, reading.content
+        calls = [
+            FunctionCall(
+                id=call.id, name=call.function.name, arguments=call.function.arguments
+            )
+            for call in info.tool_calls
+        ]
+        return calls, reading.content
+
+    # -- streaming --------------------------------------------------------------------
+
+    def parse_delta(
+        self,
+        delta_text: str,
+        delta_token_ids: list[int],
+        request: Any,
+        prompt_token_ids: list[int] | None = None,
+        *,
+        finished: bool,
+    ) -> DeltaMessage | None:
+        self._initialize_history_tool_call_cnt(request)
+        stream = self._stream
+        if stream is None:
+            prompt_ids = prompt_token_ids or self._prompt_ids
+            if prompt_token_ids is not None:
+                self._prompt_ids = prompt_token_ids
+            reader = ReasoningReader(start=self._start(prompt_ids), policy=self._policy)
+            stream = self._stream = _Stream(reader, len(prompt_ids or ()))
+
+        events = stream.reader.feed(delta_text) if delta_text else []
+        if delta_token_ids:
+            stream.output_len += len(delta_token_ids)
+            stream.last_id = delta_token_ids[-1]
+        if finished:
+            events += stream.reader.finish(
+                stopped=self._stopped(
+                    request,
+                    last_id=stream.last_id,
+                    output_len=stream.output_len,
+                    prompt_len=stream.prompt_len,
+                )
+            )
+        reading = collect(events)
+
+        content = reading.content
+        tool_calls: list[Any] = []
+        if reading.tool_markup:
+            if self._tool_parser is None:
+                content += reading.tool_markup
+            elif _tools_wanted(request):
+                tool_calls = self._stream_tools(stream, reading.tool_markup, request)
+        content = stream.content_gate.pass_through(content)
+        if finished:
+            content += stream.content_gate.close(tool_calls_made=stream.calls_made)
+
+        reasoning = reading.reasoning if _reasoning_wanted(request) else ""
+        if not (reasoning or content or tool_calls):
+            return None
+        return DeltaMessage(
+            reasoning=reasoning or None, content=content or None, tool_calls=tool_calls
+        )
+
+    def _stream_tools(self, stream: _Stream, markup: str, request: Any) -> list[Any]:
+        previous = stream.tool_text
+        stream.tool_text = current = previous + markup
+        delta = self.extract_tool_calls_streaming(
+            previous_text=previous,
+            current_text=current,
+            delta_text=markup,
+            previous_token_ids=(),
+            current_token_ids=(),
+            delta_token_ids=(),
+            request=request,
+        )
+        if delta is None or not delta.tool_calls:
+            return []
+        stream.calls_made = True
+        return list(delta.tool_calls)

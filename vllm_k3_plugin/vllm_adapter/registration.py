@@ -1,0 +1,88 @@
+"""What the plugin changes in vLLM, and why each hook exists.
+
+1. ``ReasoningParserManager.register_module("kimi_k3", K3ReasoningParser)``: the name
+   ``--reasoning-parser kimi_k3`` resolves in every process. The engine core builds
+   its own reasoning parser from this registry for structured output (when did
+   reasoning end?), so this must happen eagerly in each process, which vLLM's
+   general-plugin loading gives us.
+
+2. ``ParserManager._compose_parser`` wrapped (API server only, where it is called):
+   vLLM has no registry for combined parsers. For the name ``kimi_k3`` it hard-codes
+   its ``KimiK3Parser``, whose streaming rebuilds the whole output every step and
+   never tells the reader how the output ended. When the composed class would carry
+   our reasoning parser, we return a ``K3Parser`` subclass with the same reasoning
+   and tool parser classes and strict level instead. Anything else passes through.
+
+Both are idempotent: vLLM loads general plugins once per process, but tests and
+embedding code may call ``register()`` again.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_COMPOSE_MARK = "_vllm_k3_plugin_wrapped"
+
+
+def register_all() -> None:
+    _register_reasoning_parser()
+    _wrap_parser_composition()
+
+
+def _register_reasoning_parser() -> None:
+    from vllm.reasoning import ReasoningParserManager
+
+    from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
+
+    ReasoningParserManager.register_module(
+        name="kimi_k3", force=True, module=K3ReasoningParser
+    )
+
+
+def _wrap_parser_composition() -> None:
+    from vllm.parser.parser_manager import ParserManager
+
+    compose = ParserManager.__dict__.get("_compose_parser")
+    if compose is None:
+        # A vLLM without the composition step: nothing to replace safely.
+        return
+    original = compose.__func__
+    if getattr(original, _COMPOSE_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _compose_parser(cls: type, *args: Any, **kwargs: Any) -> Any:
+        composed = original(cls, *args, **kwargs)
+        return as_k3_parser(composed)
+
+    setattr(_compose_parser, _COMPOSE_MARK, True)
+    ParserManager._compose_parser = classmethod(_compose_parser)
+
+
+def as_k3_parser(composed: type | None) -> type | None:
+    """``composed`` rebuilt on ``K3Parser`` if it reads with our reasoning parser."""
+    from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
+
+    if composed is None:
+        return None
+    reasoning_cls = getattr(composed, "reasoning_parser_cls", None)
+    if not (
+        isinstance(reasoning_cls, type) and issubclass(reasoning_cls, K3ReasoningParser)
+    ):
+        return composed
+
+    from vllm_k3_plugin.vllm_adapter.parser import K3Parser
+
+    if issubclass(composed, K3Parser):
+        return composed
+    return type(
+        "_K3Parser",
+        (K3Parser,),
+        {
+            "reasoning_parser_cls": reasoning_cls,
+            "tool_parser_cls": getattr(composed, "tool_parser_cls", None),
+            "tool_strict_level": composed.tool_strict_level,
+            "__module__": K3Parser.__module__,
+        },
+    )

@@ -1,0 +1,76 @@
+"""What a request tells the reader: where the output starts, and how it ended.
+
+vLLM hands parsers no finish reason. It keeps the stop token (EOS or a
+``stop_token_ids`` entry) in the output token ids while dropping it from the text, so
+a last id in the stop set means the model stopped itself. A stop string leaves no such
+id; it is told from a length cut by the token budget: an output that did not reach
+``max_tokens`` or the model length, in a request that set stop strings, was ended by
+one. Everything else (a length cut, an abort) is "not stopped".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_k3_plugin import vocab
+from vllm_k3_plugin.channel_ids import Decode, reasoning_open_after
+from vllm_k3_plugin.reasoning_reader import Channel
+
+
+def thinking_requested(chat_template_kwargs: dict[str, Any] | None) -> bool:
+    """The request's thinking switch, as the K3 chat template reads it."""
+    kwargs = chat_template_kwargs or {}
+    thinking = kwargs.get("thinking")
+    if thinking is None:
+        thinking = kwargs.get("enable_thinking", True)
+    return bool(thinking)
+
+
+def start_channel(
+    prompt_ids: Sequence[int] | None, decode: Decode, thinking: bool
+) -> Channel:
+    """Rule 2: the prompt's last channel element, else the thinking setting."""
+    if prompt_ids:
+        open_think = reasoning_open_after(prompt_ids, decode)
+        if open_think is not None:
+            return Channel.THINK if open_think else Channel.RESPONSE
+    return Channel.THINK if thinking else Channel.RESPONSE
+
+
+def stop_ids_for(tokenizer: Any, request: Any) -> frozenset[int]:
+    ids = set(vocab.MODEL_STOP_IDS)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    ids.update(getattr(request, "stop_token_ids", None) or ())
+    return frozenset(ids)
+
+
+def _token_budget(request: Any) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = getattr(request, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def model_stopped(
+    *,
+    last_id: int | None,
+    output_len: int,
+    prompt_len: int,
+    request: Any,
+    stop_ids: frozenset[int],
+    max_model_len: int | None,
+) -> bool:
+    """Whether the output ended by EOS, a stop token or a stop string."""
+    if last_id is not None and last_id in stop_ids:
+        return True
+    stop_strings = getattr(request, "stop", None)
+    if not stop_strings:
+        return False
+    budget = _token_budget(request)
+    if budget is not None and output_len >= budget:
+        return False
+    return not (max_model_len is not None and prompt_len + output_len >= max_model_len)

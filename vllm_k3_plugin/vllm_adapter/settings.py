@@ -1,0 +1,22 @@
+"""Operator settings, read from the environment once per process."""
+
+from __future__ import annotations
+
+import os
+
+from vllm_k3_plugin.reasoning_reader import ReplayPolicy
+
+REPLAY_POLICY_ENV = "VLLM_K3_REPLAY_POLICY"
+
+
+def replay_policy() -> ReplayPolicy:
+    """``VLLM_K3_REPLAY_POLICY``: ``replay`` (default) or ``hold-back``."""
+    raw = os.environ.get(REPLAY_POLICY_ENV, ReplayPolicy.REPLAY.value).strip().lower()
+    try:
+        return ReplayPolicy(raw)
+    except ValueError:
+        choices = ", ".join(policy.value for policy in ReplayPolicy)
+        raise ValueError(
+            f"{REPLAY_POLICY_ENV}={raw!r} is not a replay policy; choose one of "
+            f"{choices}"
+        ) from None
