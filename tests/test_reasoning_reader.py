@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import chunkings
+from tests.conftest import chunkings, read_streamed
 from vllm_k3_plugin.reasoning_reader import (
     Channel,
     ReasoningReader,
@@ -195,6 +195,20 @@ CASES = {
         ("plan", "Answer"),
         ("plan", "Answer"),
     ),
+    "a skipped channel that quoted a closer replays without it": (
+        f"It ends with {RESPONSE_END} here.{RESPONSE_END}{MESSAGE_END}",
+        THINK,
+        True,
+        (f"It ends with {RESPONSE_END} here.", "It ends with  here."),
+        ("", "It ends with  here."),
+    ),
+    "a reply ending in a bare prefix of an atom keeps it": (
+        f"plan{THINK_END}{RESPONSE_START}Use a <",
+        THINK,
+        False,
+        ("plan", "Use a <"),
+        ("plan", "Use a <"),
+    ),
     "framing inside the thought is dropped": (
         f"a{MESSAGE_END}b<|sep|>c{THINK_END}{RESPONSE_START}d{SEP}e",
         THINK,
@@ -217,15 +231,6 @@ CASES = {
         ("", "Reply."),
     ),
 }
-
-
-def read_streamed(chunks, start, stopped, policy):
-    reader = ReasoningReader(start=start, policy=policy)
-    events = []
-    for chunk in chunks:
-        events += reader.feed(chunk)
-    events += reader.finish(stopped=stopped)
-    return collect(events)
 
 
 @pytest.mark.parametrize("name", CASES)

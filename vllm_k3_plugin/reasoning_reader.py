@@ -66,6 +66,7 @@ class Reading(NamedTuple):
 
 
 _THINK_EXITS = frozenset(vocab.THINK_EXITS)
+_ATOMS = tuple(vocab.ADDED_TOKENS)
 
 
 class ReasoningReader:
@@ -78,6 +79,7 @@ class ReasoningReader:
         "_closer_pending",
         "_events",
         "_kept",
+        "_kept_quoted",
         "_policy",
         "_scanner",
     )
@@ -100,6 +102,8 @@ class ReasoningReader:
         # framing that followed it, undecided until words, an exit or the end come.
         self._closer_pending = False
         self._after_closer: list[str] = []
+        # Spans of ``_kept`` holding quoted closers: reasoning text, never content.
+        self._kept_quoted: list[tuple[int, int]] = []
         self._events: list[ReaderEvent] = []
 
     @property
@@ -129,12 +133,16 @@ class ReasoningReader:
         cut = "".join(event.text for event in self._scanner.finish())
         # A marker cut off at the end is not a marker: never content, and not words
         # after a closer. Reasoning keeps it as text; the tool reader sees it raw.
+        # The model writes each atom as one token, so a cut marker starts with a whole
+        # atom; a bare prefix of one (a reply ending in "<") is the model's text.
         if self._channel is Channel.THINK:
             self._end_think(replay=self._closer_pending and stopped)
             if cut:
                 events.append(Reasoning(cut))
         elif self._channel is Channel.TOOLS and cut:
             events.append(ToolMarkup(cut))
+        elif cut and not cut.startswith(_ATOMS):
+            events.append(Content(cut))
         self._channel = Channel.DONE
         return events
 
@@ -172,8 +180,9 @@ class ReasoningReader:
                 return
             # Words after the closer: it was quoted, and goes on as reasoning.
             self._closer_pending = False
-            quoted, self._after_closer = "".join(self._after_closer), []
-            self._emit_reasoning(quoted)
+            quoted, self._after_closer = self._after_closer, []
+            for piece in quoted:
+                self._emit_reasoning(piece, quoted_marker=not piece.isspace())
         self._emit_reasoning(text)
 
     def _think_marker(self, marker: str) -> None:
@@ -190,11 +199,14 @@ class ReasoningReader:
             self._after_closer.append(marker)
         # Other framing inside the think channel is dropped.
 
-    def _emit_reasoning(self, text: str) -> None:
+    def _emit_reasoning(self, text: str, *, quoted_marker: bool = False) -> None:
         if not text:
             return
         if self._kept is not None:
+            start = self._kept.tell()
             self._kept.write(text)
+            if quoted_marker:
+                self._kept_quoted.append((start, start + len(text)))
         if self._policy is ReplayPolicy.REPLAY:
             self._events.append(Reasoning(text))
 
@@ -207,7 +219,9 @@ class ReasoningReader:
         self._closer_pending = False
         self._emit_reasoning(pending_space)
         kept = self._kept.getvalue() if self._kept is not None else ""
-        self._kept = None
+        quoted, self._kept, self._kept_quoted = self._kept_quoted, None, []
+        if replay:
+            kept = _without_spans(kept, quoted)
         if self._policy is ReplayPolicy.HOLD_BACK:
             if kept:
                 self._events.append(Content(kept) if replay else Reasoning(kept))
@@ -230,6 +244,17 @@ class ReasoningReader:
         self._channel = Channel.TOOLS
         self._at_offset_zero = False
         self._events.append(ToolMarkup(marker))
+
+
+def _without_spans(text: str, spans: list[tuple[int, int]]) -> str:
+    if not spans:
+        return text
+    pieces, at = [], 0
+    for start, end in spans:
+        pieces.append(text[at:start])
+        at = end
+    pieces.append(text[at:])
+    return "".join(pieces)
 
 
 def read_whole(
