@@ -263,19 +263,24 @@ def read_whole(
     stopped: bool,
     start: Channel = Channel.THINK,
     policy: ReplayPolicy = ReplayPolicy.REPLAY,
+    tools_as_content: bool = False,
 ) -> Reading:
     """The non-streaming read: the streaming reader fed the whole output once."""
     reader = ReasoningReader(start=start, policy=policy)
     events = reader.feed(text)
     events += reader.finish(stopped=stopped)
-    return collect(events)
+    return collect(events, tools_as_content=tools_as_content)
 
 
-def collect(events: list[ReaderEvent]) -> Reading:
-    """Join events into the three fields."""
+def collect(events: list[ReaderEvent], *, tools_as_content: bool = False) -> Reading:
+    """Join events into the three fields.
+
+    With ``tools_as_content`` (no tool parser to hand the channel to), the tools
+    channel is text of the reply, kept in place among the content.
+    """
     reasoning: list[str] = []
     content: list[str] = []
-    tools: list[str] = []
+    tools = content if tools_as_content else []
     for event in events:
         kind = type(event)
         if kind is Reasoning:
@@ -284,4 +289,6 @@ def collect(events: list[ReaderEvent]) -> Reading:
             content.append(event.text)
         else:
             tools.append(event.text)
+    if tools_as_content:
+        return Reading("".join(reasoning), "".join(content), "")
     return Reading("".join(reasoning), "".join(content), "".join(tools))

@@ -177,6 +177,7 @@ class K3Parser(DelegatingParser):
                 prompt_len=len(self._prompt_ids or ()),
             ),
             policy=self._policy,
+            tools_as_content=self._tool_parser is None,
         )
         tool_calls, content = self._read_tools(reading, request)
         gate = _ContentGate()
@@ -191,8 +192,8 @@ class K3Parser(DelegatingParser):
     ) -> tuple[list[FunctionCall] | None, str]:
         markup = reading.tool_markup
         if self._tool_parser is None:
-            # No tool parser configured: the tools channel is the model's text.
-            return None, reading.content + markup
+            # No tool parser configured: the tools channel was read as content.
+            return None, reading.content
         if not markup or not _tools_wanted(request):
             return ([] if markup else None), reading.content
         info = self.extract_tool_calls(markup, request)
@@ -239,15 +240,12 @@ class K3Parser(DelegatingParser):
                     prompt_len=stream.prompt_len,
                 )
             )
-        reading = collect(events)
+        reading = collect(events, tools_as_content=self._tool_parser is None)
 
         content = reading.content
         tool_calls: list[Any] = []
-        if reading.tool_markup:
-            if self._tool_parser is None:
-                content += reading.tool_markup
-            elif _tools_wanted(request):
-                tool_calls = self._stream_tools(stream, reading.tool_markup, request)
+        if reading.tool_markup and _tools_wanted(request):
+            tool_calls = self._stream_tools(stream, reading.tool_markup, request)
         content = stream.content_gate.pass_through(content)
         if finished:
             content += stream.content_gate.close(tool_calls_made=stream.calls_made)

@@ -113,11 +113,13 @@ class K3ReasoningParser(ReasoningParser):
         # ended: it reads as a cut output (nothing replayed). Our combined parser
         # never calls it; it reads with the finish it learns from the token ids.
         reading = read_whole(
-            model_output, start=self.start(), stopped=False, policy=self.policy
+            model_output,
+            start=self.start(),
+            stopped=False,
+            policy=self.policy,
+            tools_as_content=True,
         )
-        return reading.reasoning or None, (
-            reading.content + reading.tool_markup
-        ) or None
+        return reading.reasoning or None, reading.content or None
 
     def extract_reasoning_streaming(
         self,
@@ -130,10 +132,9 @@ class K3ReasoningParser(ReasoningParser):
     ) -> DeltaMessage | None:
         if self._reader is None:
             self._reader = ReasoningReader(start=self.start(), policy=self.policy)
-        reading = collect(self._reader.feed(delta_text))
-        content = reading.content + reading.tool_markup
-        if not reading.reasoning and not content:
+        reading = collect(self._reader.feed(delta_text), tools_as_content=True)
+        if not reading.reasoning and not reading.content:
             return None
         return DeltaMessage(
-            reasoning=reading.reasoning or None, content=content or None
+            reasoning=reading.reasoning or None, content=reading.content or None
         )

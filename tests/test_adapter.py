@@ -1,0 +1,289 @@
+"""The vLLM adapter, driven in-process as vLLM's serving layer drives it.
+
+Registration resolves ``kimi_k3`` to our classes; ``parse`` (whole output) and
+``parse_delta`` (one call per token, with ``finished`` on the last) return the same
+reasoning and content for outputs encoded with the checkpoint's real tokenizer.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("vllm")
+
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+)
+from vllm.parser.parser_manager import ParserManager
+from vllm.reasoning import ReasoningParserManager
+
+import vllm_k3_plugin
+from vllm_k3_plugin import vocab
+from vllm_k3_plugin.reasoning_reader import read_whole
+from vllm_k3_plugin.vllm_adapter.parser import K3Parser
+from vllm_k3_plugin.vllm_adapter.reasoning_parser import (
+    K3ReasoningParser,
+)
+from vllm_k3_plugin.vllm_adapter.request_state import start_channel
+
+ELEMENTS = [
+    vocab.THINK_END,
+    vocab.THINK_END_UNSEPARATED,
+    vocab.RESPONSE_START,
+    vocab.RESPONSE_END,
+    vocab.MESSAGE_END,
+    vocab.TOOLS_START,
+    vocab.TOOLS_END,
+    vocab.THINK_START,
+    vocab.CLOSE,
+    vocab.SEP,
+]
+WORDS = ["The", " answer", " is", " 4.", "\n", " ", "思", "<", "|", "close"]
+OUTPUTS = st.lists(st.sampled_from(ELEMENTS + WORDS), max_size=24).map("".join)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    vllm_k3_plugin.register()
+
+
+def _parser_cls(tool_parser: str | None = "kimi_k3"):
+    return ParserManager.get_parser(
+        tool_parser_name=tool_parser,
+        reasoning_parser_name="kimi_k3",
+        enable_auto_tools=tool_parser is not None,
+    )
+
+
+def _request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(
+        model="k3-tiny", messages=[{"role": "user", "content": "hi"}], **fields
+    )
+
+
+def _prompt(hf_tokenizer, thinking: bool) -> list[int]:
+    prefix = vocab.THINKING_ON_PREFIX if thinking else vocab.THINKING_OFF_PREFIX
+    return hf_tokenizer.encode("Hello" + prefix, add_special_tokens=False)
+
+
+def _whole(parser_cls, hf_tokenizer, prompt, ids, request, thinking=True):
+    kwargs = {} if thinking else {"thinking": False}
+    parser = parser_cls(hf_tokenizer, None, chat_template_kwargs=kwargs)
+    parser.set_prompt_token_ids(prompt)
+    text = _engine_text(hf_tokenizer, ids)
+    reasoning, content, calls = parser.parse(
+        text, request, enable_auto_tools=True, model_output_token_ids=ids
+    )
+    return reasoning or "", content or "", calls
+
+
+def _streamed(parser_cls, hf_tokenizer, prompt, ids, request, thinking=True):
+    """One ``parse_delta`` per token, the text deltas from prefix decoding."""
+    kwargs = {} if thinking else {"thinking": False}
+    parser = parser_cls(hf_tokenizer, None, chat_template_kwargs=kwargs)
+    reasoning, content, calls = [], [], []
+    previous = ""
+    for i in range(len(ids)):
+        current = hf_tokenizer.decode(ids[: i + 1], skip_special_tokens=False)
+        if vocab.MODEL_STOP_IDS.isdisjoint(ids[i : i + 1]):
+            delta_text, previous = current[len(previous) :], current
+        else:
+            delta_text = ""  # the engine drops the stop token from the text
+        delta = parser.parse_delta(
+            delta_text,
+            [ids[i]],
+            request,
+            prompt_token_ids=prompt,
+            finished=i == len(ids) - 1,
+        )
+        if delta is not None:
+            reasoning.append(delta.reasoning or "")
+            content.append(delta.content or "")
+            calls += delta.tool_calls or []
+    return "".join(reasoning), "".join(content), calls
+
+
+def _engine_text(hf_tokenizer, ids: list[int]) -> str:
+    """The output text as the engine hands it over: the stop token is not in it."""
+    if ids and ids[-1] in vocab.MODEL_STOP_IDS:
+        ids = ids[:-1]
+    return hf_tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _encode(hf_tokenizer, text: str) -> list[int]:
+    return hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+# -- registration ---------------------------------------------------------------------
+
+
+def test_reasoning_parser_name_resolves_to_ours():
+    assert ReasoningParserManager.get_reasoning_parser("kimi_k3") is K3ReasoningParser
+
+
+@pytest.mark.parametrize("tool_parser", ["kimi_k3", None], ids=["tools", "no-tools"])
+def test_composed_parser_is_ours(tool_parser):
+    parser_cls = _parser_cls(tool_parser)
+    assert issubclass(parser_cls, K3Parser)
+    assert parser_cls.reasoning_parser_cls is K3ReasoningParser
+
+
+def test_register_is_idempotent():
+    compose = ParserManager.__dict__["_compose_parser"].__func__
+    vllm_k3_plugin.register()
+    from vllm_k3_plugin.vllm_adapter.registration import register_all
+
+    register_all()
+    assert ParserManager.__dict__["_compose_parser"].__func__ is compose
+    assert _parser_cls().__bases__ == (K3Parser,)
+
+
+def test_other_reasoning_parsers_pass_through():
+    parser_cls = ParserManager.get_parser(reasoning_parser_name="deepseek_r1")
+    assert parser_cls is not None
+    assert not issubclass(parser_cls, K3Parser)
+
+
+def test_parser_needs_a_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer"):
+        K3ReasoningParser(None)
+
+
+# -- parse versus parse_delta ---------------------------------------------------------
+
+
+@given(OUTPUTS, st.booleans(), st.booleans())
+def test_streamed_equals_whole(hf_tokenizer, text, stopped, thinking):
+    ids = _encode(hf_tokenizer, text) + ([vocab.END_OF_MSG_ID] if stopped else [])
+    if not ids:
+        return
+    prompt = _prompt(hf_tokenizer, thinking)
+    request = _request(max_tokens=len(ids))
+    parser_cls = _parser_cls(tool_parser=None)
+    whole = _whole(parser_cls, hf_tokenizer, prompt, ids, request, thinking)
+    streamed = _streamed(parser_cls, hf_tokenizer, prompt, ids, request, thinking)
+    assert streamed[:2] == whole[:2]
+    reading = read_whole(
+        _engine_text(hf_tokenizer, ids),
+        start=start_channel(prompt, K3ReasoningParser(hf_tokenizer).decode, thinking),
+        stopped=stopped,
+        tools_as_content=True,
+    )
+    assert whole[:2] == (reading.reasoning, reading.content)
+
+
+SKIPPED = "The answer is 4." + vocab.RESPONSE_END
+
+
+@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
+def test_stop_token_replays_the_skipped_channel(hf_tokenizer, read):
+    ids = [*_encode(hf_tokenizer, SKIPPED), vocab.END_OF_MSG_ID]
+    got = read(
+        _parser_cls(None),
+        hf_tokenizer,
+        _prompt(hf_tokenizer, True),
+        ids,
+        _request(max_tokens=64),
+    )
+    assert got[:2] == ("The answer is 4.", "The answer is 4.")
+
+
+@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
+def test_length_cut_does_not_replay(hf_tokenizer, read):
+    ids = _encode(hf_tokenizer, SKIPPED)
+    got = read(
+        _parser_cls(None),
+        hf_tokenizer,
+        _prompt(hf_tokenizer, True),
+        ids,
+        _request(max_tokens=len(ids)),
+    )
+    assert got[:2] == ("The answer is 4.", "")
+
+
+@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
+def test_stop_string_is_a_stop(hf_tokenizer, read):
+    ids = _encode(hf_tokenizer, SKIPPED)
+    got = read(
+        _parser_cls(None),
+        hf_tokenizer,
+        _prompt(hf_tokenizer, True),
+        ids,
+        _request(max_tokens=len(ids) + 10, stop=["STOP"]),
+    )
+    assert got[:2] == ("The answer is 4.", "The answer is 4.")
+
+
+@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
+def test_include_reasoning_false_drops_reasoning_only(hf_tokenizer, read):
+    text = "Thinking." + vocab.THINK_END + vocab.RESPONSE_START + "Hi."
+    ids = [*_encode(hf_tokenizer, text + vocab.RESPONSE_END), vocab.END_OF_MSG_ID]
+    got = read(
+        _parser_cls(None),
+        hf_tokenizer,
+        _prompt(hf_tokenizer, True),
+        ids,
+        _request(max_tokens=64, include_reasoning=False),
+    )
+    assert got[:2] == ("", "Hi.")
+
+
+@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
+def test_prompt_decides_the_start_channel(hf_tokenizer, read):
+    """A thinking-off prompt starts in the response channel whatever the kwargs say."""
+    ids = [*_encode(hf_tokenizer, "Hi." + vocab.RESPONSE_END), vocab.END_OF_MSG_ID]
+    got = read(
+        _parser_cls(None),
+        hf_tokenizer,
+        _prompt(hf_tokenizer, False),
+        ids,
+        _request(max_tokens=64),
+        True,
+    )
+    assert got[:2] == ("", "Hi.")
+
+
+# -- the engine's question ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt_tail", "ended"),
+    [
+        (vocab.THINKING_ON_PREFIX, False),
+        (vocab.THINKING_OFF_PREFIX, True),
+        (vocab.THINKING_ON_PREFIX + "x" + vocab.THINK_END, True),
+    ],
+    ids=["thinking-on", "thinking-off", "think-closed-in-prompt"],
+)
+def test_is_reasoning_end_on_the_prompt(hf_tokenizer, prompt_tail, ended):
+    parser = K3ReasoningParser(hf_tokenizer)
+    assert parser.is_reasoning_end(_encode(hf_tokenizer, "Q" + prompt_tail)) is ended
+
+
+@pytest.mark.parametrize(
+    "exit_marker",
+    [vocab.THINK_END, vocab.RESPONSE_START, vocab.TOOLS_START],
+    ids=["think-closer", "response-open", "tools-open"],
+)
+def test_is_reasoning_end_streaming_fires_on_the_exit(hf_tokenizer, exit_marker):
+    parser = K3ReasoningParser(hf_tokenizer)
+    before = _encode(hf_tokenizer, "Thinking hard.")
+    exit_ids = _encode(hf_tokenizer, exit_marker)
+    ids = before + exit_ids + _encode(hf_tokenizer, "Answer")
+    fired = [
+        i
+        for i in range(1, len(ids) + 1)
+        if parser.is_reasoning_end_streaming(ids[:i], ids[i - 1 : i])
+    ]
+    assert fired == [len(before) + len(exit_ids)]
+
+
+def test_answer_closer_is_not_a_reasoning_end(hf_tokenizer):
+    parser = K3ReasoningParser(hf_tokenizer)
+    ids = _encode(hf_tokenizer, "Reply." + vocab.RESPONSE_END)
+    assert not any(
+        parser.is_reasoning_end_streaming(ids[:i], ids[i - 1 : i])
+        for i in range(1, len(ids) + 1)
+    )
