@@ -27,6 +27,7 @@ from vllm_k3_plugin.vllm_adapter.reasoning_parser import (
     K3ReasoningParser,
 )
 from vllm_k3_plugin.vllm_adapter.request_state import start_channel
+from vllm_k3_plugin.vocab import RESPONSE_END
 
 ELEMENTS = [
     vocab.THINK_END,
@@ -175,74 +176,39 @@ def test_streamed_equals_whole(hf_tokenizer, text, stopped, thinking):
 
 
 SKIPPED = "The answer is 4." + vocab.RESPONSE_END
+ANSWERED = "Thinking." + vocab.THINK_END + vocab.RESPONSE_START + "Hi." + RESPONSE_END
 
-
-@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
-def test_stop_token_replays_the_skipped_channel(hf_tokenizer, read):
-    ids = [*_encode(hf_tokenizer, SKIPPED), vocab.END_OF_MSG_ID]
-    got = read(
-        _parser_cls(None),
-        hf_tokenizer,
-        _prompt(hf_tokenizer, True),
-        ids,
-        _request(max_tokens=64),
-    )
-    assert got[:2] == ("The answer is 4.", "The answer is 4.")
-
-
-@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
-def test_length_cut_does_not_replay(hf_tokenizer, read):
-    ids = _encode(hf_tokenizer, SKIPPED)
-    got = read(
-        _parser_cls(None),
-        hf_tokenizer,
-        _prompt(hf_tokenizer, True),
-        ids,
-        _request(max_tokens=len(ids)),
-    )
-    assert got[:2] == ("The answer is 4.", "")
-
-
-@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
-def test_stop_string_is_a_stop(hf_tokenizer, read):
-    ids = _encode(hf_tokenizer, SKIPPED)
-    got = read(
-        _parser_cls(None),
-        hf_tokenizer,
-        _prompt(hf_tokenizer, True),
-        ids,
-        _request(max_tokens=len(ids) + 10, stop=["STOP"]),
-    )
-    assert got[:2] == ("The answer is 4.", "The answer is 4.")
-
-
-@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
-def test_include_reasoning_false_drops_reasoning_only(hf_tokenizer, read):
-    text = "Thinking." + vocab.THINK_END + vocab.RESPONSE_START + "Hi."
-    ids = [*_encode(hf_tokenizer, text + vocab.RESPONSE_END), vocab.END_OF_MSG_ID]
-    got = read(
-        _parser_cls(None),
-        hf_tokenizer,
-        _prompt(hf_tokenizer, True),
-        ids,
-        _request(max_tokens=64, include_reasoning=False),
-    )
-    assert got[:2] == ("", "Hi.")
-
-
-@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
-def test_prompt_decides_the_start_channel(hf_tokenizer, read):
-    """A thinking-off prompt starts in the response channel whatever the kwargs say."""
-    ids = [*_encode(hf_tokenizer, "Hi." + vocab.RESPONSE_END), vocab.END_OF_MSG_ID]
-    got = read(
-        _parser_cls(None),
-        hf_tokenizer,
-        _prompt(hf_tokenizer, False),
-        ids,
-        _request(max_tokens=64),
+# name: (output, ends with the stop token, request fields, thinking prompt, expected)
+ENDINGS = {
+    "stop-token-replays": (SKIPPED, True, {}, True, ("The answer is 4.",) * 2),
+    "length-cut-keeps-reasoning": (SKIPPED, False, {}, True, ("The answer is 4.", "")),
+    "stop-string-replays": (
+        SKIPPED,
+        False,
+        {"stop": ["STOP"], "max_tokens": 64},
         True,
-    )
-    assert got[:2] == ("", "Hi.")
+        ("The answer is 4.",) * 2,
+    ),
+    "include-reasoning-false": (
+        ANSWERED,
+        True,
+        {"include_reasoning": False},
+        True,
+        ("", "Hi."),
+    ),
+    # A thinking-off prompt starts in the response channel whatever kwargs say.
+    "prompt-decides-start": ("Hi." + RESPONSE_END, True, {}, False, ("", "Hi.")),
+}
+
+
+@pytest.mark.parametrize("name", ENDINGS)
+@pytest.mark.parametrize("read", [_whole, _streamed], ids=["whole", "streamed"])
+def test_how_the_output_ended(hf_tokenizer, read, name):
+    text, stop_token, fields, thinking_prompt, expected = ENDINGS[name]
+    ids = _encode(hf_tokenizer, text) + ([vocab.END_OF_MSG_ID] if stop_token else [])
+    request = _request(**{"max_tokens": len(ids), **fields})
+    prompt = _prompt(hf_tokenizer, thinking_prompt)
+    assert read(_parser_cls(None), hf_tokenizer, prompt, ids, request)[:2] == expected
 
 
 # -- the engine's question ------------------------------------------------------------
