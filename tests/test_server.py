@@ -11,128 +11,41 @@ import pytest
 
 from tests.endpoints import ENDPOINTS, chat, chat_stream
 from vllm_k3_plugin import vocab
-from vllm_k3_plugin.vocab import (
-    CLOSE,
-    MESSAGE_END,
-    RESPONSE_END,
-    RESPONSE_START,
-    THINK_END,
-    THINK_START,
-    TOOLS_END,
-    TOOLS_START,
-)
+from vllm_k3_plugin.shapes import SHAPES, SKIPPED_REPLY, WEATHER_TOOL
+from vllm_k3_plugin.vocab import CLOSE, RESPONSE_END
 
 pytestmark = pytest.mark.server
 
-SKIPPED = "The answer is 4."
-CALL = (
-    '<|open|>call tool="get_weather" index="1"<|sep|>'
-    '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
-    "<|close|>call<|sep|>"
-)
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
+WEATHER_CALL = ("get_weather", {"city": "Paris"})
+R = SKIPPED_REPLY
+
+# shape: ((reasoning, content) if stopped, (reasoning, content) if cut by max_tokens)
+EXPECTED = {
+    "think-then-reply": (("Let me think.", "Hello!"),) * 2,
+    "skipped-channel": ((R, R), (R, "")),
+    "closer-at-end": (("Reply.", "Reply."), ("Reply.", "")),
+    "closer-whitespace": (("Reply.\n", "Reply.\n"), ("Reply.\n", "")),
+    "quoted-closer": (("He wrote " + RESPONSE_END + " then more.", "Final."),) * 2,
+    "closer-then-think-exit": (("Draft.", "Final."),) * 2,
+    "closer-then-response-open": (("Draft.", "Final."),) * 2,
+    "unseparated-think-exit": (("Thought.", "Final."),) * 2,
+    "self-opened-response": (("Thought.", "Final."),) * 2,
+    "no-closer": (("Just thinking", ""),) * 2,
+    "closer-cut-mid-marker": (("Reply." + CLOSE + "response", ""),) * 2,
+    "thinking-off": (("", "Hi there."),) * 2,
+    "thinking-off-self-opened-think": (("hmm", "Ok."),) * 2,
+    "thinking-off-declined-think": (("", "Ok."),) * 2,
+}
+# shape: (reasoning, content), with the weather call made; the tool is declared
+TOOL_SHAPES = {
+    "skipped-then-tools": (R, R),
+    "tools-in-think": ("Need the weather.", ""),
+    "thinking-off-tools": ("", ""),
 }
 
-# name: (output, thinking, (reasoning, content) if stopped, (reasoning, content) if cut)
-FINAL = RESPONSE_START + "Final." + RESPONSE_END + MESSAGE_END
 
-SHAPES = {
-    "think-then-reply": (
-        "Let me think."
-        + THINK_END
-        + RESPONSE_START
-        + "Hello!"
-        + RESPONSE_END
-        + MESSAGE_END,
-        True,
-        ("Let me think.", "Hello!"),
-        ("Let me think.", "Hello!"),
-    ),
-    "skipped-channel": (
-        SKIPPED + RESPONSE_END + MESSAGE_END,
-        True,
-        (SKIPPED, SKIPPED),
-        (SKIPPED, ""),
-    ),
-    "closer-at-end": (
-        "Reply." + RESPONSE_END,
-        True,
-        ("Reply.", "Reply."),
-        ("Reply.", ""),
-    ),
-    "closer-whitespace": (
-        "Reply." + RESPONSE_END + "\n" + MESSAGE_END,
-        True,
-        ("Reply.\n", "Reply.\n"),
-        ("Reply.\n", ""),
-    ),
-    "quoted-closer": (
-        "He wrote "
-        + RESPONSE_END
-        + " then more."
-        + THINK_END
-        + RESPONSE_START
-        + "Done."
-        + RESPONSE_END
-        + MESSAGE_END,
-        True,
-        ("He wrote " + RESPONSE_END + " then more.", "Done."),
-        ("He wrote " + RESPONSE_END + " then more.", "Done."),
-    ),
-    "closer-then-think-exit": (
-        "Draft." + RESPONSE_END + THINK_END + FINAL,
-        True,
-        ("Draft.", "Final."),
-        ("Draft.", "Final."),
-    ),
-    "closer-then-response-open": (
-        "Draft." + RESPONSE_END + FINAL,
-        True,
-        ("Draft.", "Final."),
-        ("Draft.", "Final."),
-    ),
-    "no-closer": ("Just thinking", True, ("Just thinking", ""), ("Just thinking", "")),
-    "closer-cut-mid-marker": (
-        "Reply." + CLOSE + "response",
-        True,
-        ("Reply." + CLOSE + "response", ""),
-        ("Reply." + CLOSE + "response", ""),
-    ),
-    "thinking-off": (
-        "Hi there." + RESPONSE_END + MESSAGE_END,
-        False,
-        ("", "Hi there."),
-        ("", "Hi there."),
-    ),
-    "thinking-off-self-opened-think": (
-        THINK_START
-        + "hmm"
-        + THINK_END
-        + RESPONSE_START
-        + "Ok."
-        + RESPONSE_END
-        + MESSAGE_END,
-        False,
-        ("hmm", "Ok."),
-        ("hmm", "Ok."),
-    ),
-    "thinking-off-declined-think": (
-        THINK_END + RESPONSE_START + "Ok." + RESPONSE_END + MESSAGE_END,
-        False,
-        ("", "Ok."),
-        ("", "Ok."),
-    ),
-}
+def test_every_shape_is_pinned():
+    assert set(EXPECTED) | set(TOOL_SHAPES) == set(SHAPES)
 
 
 def _request(hf_tokenizer, output: str, ending: str) -> tuple[list[int], int]:
@@ -144,15 +57,17 @@ def _request(hf_tokenizer, output: str, ending: str) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
 @pytest.mark.parametrize("ending", ["stop", "cut"])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(EXPECTED))
 def test_shape_on_every_endpoint(k3_server, hf_tokenizer, shape, ending, endpoint):
-    output, thinking, if_stopped, if_cut = SHAPES[shape]
+    output, thinking, _ = SHAPES[shape]
     ids, max_tokens = _request(hf_tokenizer, output, ending)
     reply = ENDPOINTS[endpoint](
         k3_server, ids, max_tokens=max_tokens, thinking=thinking
     )
-    expected = if_stopped if ending == "stop" else if_cut
-    assert (reply.reasoning, reply.content) == expected
+    if_stopped, if_cut = EXPECTED[shape]
+    assert (reply.reasoning, reply.content) == (
+        if_stopped if ending == "stop" else if_cut
+    )
 
 
 @pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
@@ -164,21 +79,20 @@ def test_empty_output(k3_server, endpoint):
 @pytest.mark.parametrize("read", [chat, chat_stream], ids=["chat", "chat-stream"])
 def test_stop_string_counts_as_a_stop(k3_server, hf_tokenizer, read):
     """A stop string leaves no stop id; the reply is still replayed."""
-    output = SKIPPED + RESPONSE_END + "STOPHERE and more"
+    output = R + RESPONSE_END + "STOPHERE and more"
     ids = hf_tokenizer.encode(output, add_special_tokens=False)
     reply = read(k3_server, ids, max_tokens=len(ids) + 8, stop=["STOPHERE"])
-    assert (reply.reasoning, reply.content) == (SKIPPED, SKIPPED)
+    assert (reply.reasoning, reply.content) == (R, R)
 
 
 @pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
-@pytest.mark.parametrize("thinking", [True, False], ids=["in-think", "thinking-off"])
-def test_tools_channel(k3_server, hf_tokenizer, endpoint, thinking):
-    """Tools in the think channel with no exit, and at offset 0 with thinking off."""
-    before = "Need the weather." if thinking else ""
-    output = before + TOOLS_START + CALL + TOOLS_END + MESSAGE_END
+@pytest.mark.parametrize("shape", sorted(TOOL_SHAPES))
+def test_tools_channel(k3_server, hf_tokenizer, endpoint, shape):
+    """The tools channel after a skipped channel, inside think, at offset 0."""
+    output, thinking, _ = SHAPES[shape]
     ids, max_tokens = _request(hf_tokenizer, output, "stop")
     reply = ENDPOINTS[endpoint](
         k3_server, ids, max_tokens=max_tokens, thinking=thinking, tools=[WEATHER_TOOL]
     )
-    assert (reply.reasoning, reply.content) == (before, "")
-    assert reply.tool_calls == (("get_weather", {"city": "Paris"}),)
+    assert (reply.reasoning, reply.content) == TOOL_SHAPES[shape]
+    assert reply.tool_calls == (WEATHER_CALL,)

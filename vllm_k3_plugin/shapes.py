@@ -1,0 +1,132 @@
+"""A built-in corpus of K3 output shapes: the ones seen in the wild and the contract's
+edge cases (K3_FORMAT.md). The demo replays them; the server tests force them.
+
+Each output is the model's text with every marker kept and without the stop token;
+how it ended (stop token or ``max_tokens`` cut) is chosen by whoever replays it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from vllm_k3_plugin.vocab import (
+    CLOSE,
+    MESSAGE_END,
+    RESPONSE_END,
+    RESPONSE_START,
+    THINK_END,
+    THINK_END_UNSEPARATED,
+    THINK_START,
+    TOOLS_END,
+    TOOLS_START,
+)
+
+
+class Shape(NamedTuple):
+    output: str
+    thinking: bool
+    """The request's thinking switch: the prompt ends inside ``think`` or not."""
+    note: str
+
+
+SKIPPED_REPLY = "The answer is 4."
+WEATHER_CALL = (
+    '<|open|>call tool="get_weather" index="1"<|sep|>'
+    '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
+    "<|close|>call<|sep|>"
+)
+# The tool the tool shapes call, as a request declares it.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+_FINAL = RESPONSE_START + "Final." + RESPONSE_END + MESSAGE_END
+
+SHAPES: dict[str, Shape] = {
+    "think-then-reply": Shape(
+        "Let me think."
+        + THINK_END
+        + RESPONSE_START
+        + "Hello!"
+        + RESPONSE_END
+        + MESSAGE_END,
+        True,
+        "the well-formed reply",
+    ),
+    "skipped-channel": Shape(
+        SKIPPED_REPLY + RESPONSE_END + MESSAGE_END,
+        True,
+        "the reply written inside the think channel (about 1 in 5 at 1M context)",
+    ),
+    "closer-at-end": Shape(
+        "Reply." + RESPONSE_END, True, "a skipped channel without the message closer"
+    ),
+    "closer-whitespace": Shape(
+        "Reply." + RESPONSE_END + "\n" + MESSAGE_END,
+        True,
+        "a skipped channel, whitespace after its closer",
+    ),
+    "quoted-closer": Shape(
+        "He wrote " + RESPONSE_END + " then more." + THINK_END + _FINAL,
+        True,
+        "a closer quoted mid-thought",
+    ),
+    "closer-then-think-exit": Shape(
+        "Draft." + RESPONSE_END + THINK_END + _FINAL,
+        True,
+        "an answer closer, then the think exit: the model answers in its channel",
+    ),
+    "closer-then-response-open": Shape(
+        "Draft." + RESPONSE_END + _FINAL,
+        True,
+        "an answer closer, then a model-opened response",
+    ),
+    "unseparated-think-exit": Shape(
+        "Thought." + THINK_END_UNSEPARATED + _FINAL,
+        True,
+        "the think closer missing its separator, then the next channel",
+    ),
+    "self-opened-response": Shape(
+        "Thought." + _FINAL, True, "a model-opened response with no think exit"
+    ),
+    "no-closer": Shape("Just thinking", True, "thought only, no closer"),
+    "closer-cut-mid-marker": Shape(
+        "Reply." + CLOSE + "response", True, "the output cut inside the closer"
+    ),
+    "skipped-then-tools": Shape(
+        SKIPPED_REPLY + RESPONSE_END + TOOLS_START + WEATHER_CALL + TOOLS_END,
+        True,
+        "a skipped channel followed by a tools channel",
+    ),
+    "tools-in-think": Shape(
+        "Need the weather." + TOOLS_START + WEATHER_CALL + TOOLS_END + MESSAGE_END,
+        True,
+        "a tools channel opened inside think, no think exit",
+    ),
+    "thinking-off": Shape(
+        "Hi there." + RESPONSE_END + MESSAGE_END, False, "thinking off, a plain reply"
+    ),
+    "thinking-off-tools": Shape(
+        TOOLS_START + WEATHER_CALL + TOOLS_END + MESSAGE_END,
+        False,
+        "thinking off, tools at offset 0",
+    ),
+    "thinking-off-self-opened-think": Shape(
+        THINK_START + "hmm" + THINK_END + _FINAL.replace("Final.", "Ok."),
+        False,
+        "thinking off, the model opens a think channel anyway",
+    ),
+    "thinking-off-declined-think": Shape(
+        THINK_END + _FINAL.replace("Final.", "Ok."),
+        False,
+        "thinking off, a think closer first",
+    ),
+}
