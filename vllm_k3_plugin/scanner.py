@@ -15,8 +15,9 @@ answer as a ``find`` per marker, in one pass). Constraints that keep it linear:
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 
@@ -58,14 +59,11 @@ class MarkerScanner:
     )
 
     def __init__(self, markers: Iterable[str]) -> None:
-        ordered = sorted(set(markers), key=len, reverse=True)
-        if not ordered or not all(ordered):
-            raise MarkerSetError("the scanner needs at least one non-empty marker")
-        _check_nesting(ordered)
-        self._search = re.compile("|".join(map(re.escape, ordered))).search
-        self._prefixes = frozenset(m[:i] for m in ordered for i in range(1, len(m)))
-        self._max_hold = len(ordered[0]) - 1
-        self._starts = frozenset(m[0] for m in ordered)
+        compiled = _compile(frozenset(markers))
+        self._search = compiled.search
+        self._prefixes = compiled.prefixes
+        self._max_hold = compiled.max_hold
+        self._starts = compiled.starts
         self._held = ""
         self._finished = False
 
@@ -124,6 +122,28 @@ class MarkerScanner:
             if buf[index] in self._starts and buf[index:] in self._prefixes:
                 return index
         return end_of_buf
+
+
+class _Compiled(NamedTuple):
+    search: Callable[..., re.Match[str] | None]
+    prefixes: frozenset[str]
+    max_hold: int
+    starts: frozenset[str]
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(markers: frozenset[str]) -> _Compiled:
+    """The alternation (longest first) and the prefix tables, once per marker set."""
+    ordered = sorted(markers, key=lambda m: (-len(m), m))
+    if not ordered or not all(ordered):
+        raise MarkerSetError("the scanner needs at least one non-empty marker")
+    _check_nesting(ordered)
+    return _Compiled(
+        search=re.compile("|".join(map(re.escape, ordered))).search,
+        prefixes=frozenset(m[:i] for m in ordered for i in range(1, len(m))),
+        max_hold=len(ordered[0]) - 1,
+        starts=frozenset(m[0] for m in ordered),
+    )
 
 
 def _check_nesting(markers: list[str]) -> None:
