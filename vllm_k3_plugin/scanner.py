@@ -1,11 +1,13 @@
 """MarkerScanner: text in, ``Text`` / ``Marker`` / ``Cut`` events out; only strings.
 
-One buffer and a cursor, one compiled alternation of the markers, longest first, so a
-search at any position finds the leftmost marker and, there, the longest one (the same
-answer as a ``find`` per marker, in one pass). Constraints that keep it linear:
+One compiled alternation of the markers, longest first, so at any position the
+leftmost marker and, there, the longest one is found (the same answer as a ``find``
+per marker, in one pass). A chunk is cut at its markers by one ``re.split`` over the
+capturing alternation, which runs in C; Python touches each marker once. Constraints
+that keep it linear:
 
-- a search starts at the cursor and stops at the next marker, so a whole output with m
-  markers costs one pass plus m matches; the text after a hit is never copied;
+- each feed scans only the chunk and the held tail, once; nothing fed before is
+  rescanned or copied;
 - at a chunk end, only a suffix that is a proper prefix of some marker is held back
   (at most ``len(longest marker) - 1`` characters), and it is the only text carried
   into the next feed;
@@ -54,13 +56,13 @@ class MarkerScanner:
         "_held",
         "_max_hold",
         "_prefixes",
-        "_search",
+        "_split",
         "_starts",
     )
 
     def __init__(self, markers: Iterable[str]) -> None:
         compiled = _compile(frozenset(markers))
-        self._search = compiled.search
+        self._split = compiled.split
         self._prefixes = compiled.prefixes
         self._max_hold = compiled.max_hold
         self._starts = compiled.starts
@@ -74,6 +76,23 @@ class MarkerScanner:
 
     def feed(self, chunk: str) -> list[Event]:
         """Scan ``chunk`` after everything fed before; return the decided events."""
+        parts = self.feed_parts(chunk)
+        events: list[Event] = []
+        append = events.append
+        for index in range(0, len(parts) - 1, 2):
+            if parts[index]:
+                append(Text(parts[index]))
+            append(Marker(parts[index + 1]))
+        if parts and parts[-1]:
+            append(Text(parts[-1]))
+        return events
+
+    def feed_parts(self, chunk: str) -> list[str]:
+        """``feed`` without event objects, for readers on the hot path.
+
+        Returns ``[text, marker, text, ..., marker, text]``: markers at odd indices,
+        text (possibly empty) at even ones; ``[]`` when nothing is decided yet.
+        """
         if self._finished:
             raise RuntimeError("feed() after finish()")
         buf = self._held + chunk if self._held else chunk
@@ -83,30 +102,22 @@ class MarkerScanner:
         if len(self._starts) == 1:
             (start_char,) = self._starts
             if start_char not in buf:
-                return [Text(buf)]
-        events: list[Event] = []
-        append = events.append
-        search = self._search
-        prefixes = self._prefixes
-        end_of_buf = len(buf)
-        pos = 0
-        while (match := search(buf, pos)) is not None:
-            start, end = match.span()
-            if end_of_buf - start <= self._max_hold and buf[start:] in prefixes:
-                # A longer marker may still complete here: the next chunk decides.
-                if start > pos:
-                    append(Text(buf[pos:start]))
-                self._held = buf[start:]
-                return events
-            if start > pos:
-                append(Text(buf[pos:start]))
-            append(Marker(match.group()))
-            pos = end
-        hold_from = self._undecided_tail(buf, pos)
-        if hold_from > pos:
-            append(Text(buf[pos:hold_from]))
-        self._held = buf[hold_from:]
-        return events
+                return [buf]
+        parts = self._split(buf)
+        if len(parts) > 1:
+            # The last marker may be the start of a longer one still arriving (only
+            # the last: a marker holds another only as its prefix or its suffix).
+            tail = parts[-2] + parts[-1]
+            if len(tail) <= self._max_hold and tail in self._prefixes:
+                self._held = tail
+                del parts[-2:]
+                return parts
+        last = parts[-1]
+        hold_from = self._undecided_tail(last)
+        if hold_from < len(last):
+            self._held = last[hold_from:]
+            parts[-1] = last[:hold_from]
+        return parts
 
     def finish(self) -> list[Event]:
         """End of the output: a held partial marker is reported as ``Cut``."""
@@ -114,18 +125,17 @@ class MarkerScanner:
         held, self._held = self._held, ""
         return [Cut(held)] if held else []
 
-    def _undecided_tail(self, buf: str, pos: int) -> int:
-        """Start of the longest suffix of ``buf[pos:]`` that could begin a marker."""
-        end_of_buf = len(buf)
-        first = max(pos, end_of_buf - self._max_hold)
-        for index in range(first, end_of_buf):
-            if buf[index] in self._starts and buf[index:] in self._prefixes:
+    def _undecided_tail(self, text: str) -> int:
+        """Start of the longest suffix of ``text`` that could begin a marker."""
+        end = len(text)
+        for index in range(max(0, end - self._max_hold), end):
+            if text[index] in self._starts and text[index:] in self._prefixes:
                 return index
-        return end_of_buf
+        return end
 
 
 class _Compiled(NamedTuple):
-    search: Callable[..., re.Match[str] | None]
+    split: Callable[[str], list[str]]
     prefixes: frozenset[str]
     max_hold: int
     starts: frozenset[str]
@@ -139,7 +149,7 @@ def _compile(markers: frozenset[str]) -> _Compiled:
         raise MarkerSetError("the scanner needs at least one non-empty marker")
     _check_nesting(ordered)
     return _Compiled(
-        search=re.compile("|".join(map(re.escape, ordered))).search,
+        split=re.compile("(" + "|".join(map(re.escape, ordered)) + ")").split,
         prefixes=frozenset(m[:i] for m in ordered for i in range(1, len(m))),
         max_hold=len(ordered[0]) - 1,
         starts=frozenset(m[0] for m in ordered),
