@@ -21,7 +21,7 @@ import io
 from typing import NamedTuple
 
 from vllm_k3_plugin import vocab
-from vllm_k3_plugin.scanner import Marker, MarkerScanner, Text
+from vllm_k3_plugin.scanner import MarkerScanner
 
 
 class Reasoning(NamedTuple):
@@ -66,6 +66,9 @@ class Reading(NamedTuple):
 
 
 _THINK_EXITS = frozenset(vocab.THINK_EXITS)
+# Markers that change the think channel's state; all other framing there is dropped.
+_THINK_STATE_MARKERS = _THINK_EXITS | {vocab.TOOLS_START, vocab.RESPONSE_END}
+_RESPONSE_STATE_MARKERS = frozenset({vocab.TOOLS_START})
 _ATOMS = tuple(vocab.ADDED_TOKENS)
 
 
@@ -81,6 +84,8 @@ class ReasoningReader:
         "_kept",
         "_kept_quoted",
         "_policy",
+        "_run",
+        "_run_kind",
         "_scanner",
     )
 
@@ -105,6 +110,10 @@ class ReasoningReader:
         # Spans of ``_kept`` holding quoted closers: reasoning text, never content.
         self._kept_quoted: list[tuple[int, int]] = []
         self._events: list[ReaderEvent] = []
+        # Adjacent pieces of one kind, joined into one event when the kind changes or
+        # the feed ends: a thought full of dropped framing is still one event a feed.
+        self._run: list[str] = []
+        self._run_kind: type[ReaderEvent] | None = None
 
     @property
     def channel(self) -> Channel:
@@ -120,8 +129,8 @@ class ReasoningReader:
         if self._channel is Channel.DONE:
             raise RuntimeError("feed() after finish()")
         self._events = events = []
-        for event in self._scanner.feed(text):
-            self._on_event(event)
+        self._read(self._scanner.feed_parts(text))
+        self._flush()
         return events
 
     def finish(self, *, stopped: bool) -> list[ReaderEvent]:
@@ -138,34 +147,80 @@ class ReasoningReader:
         if self._channel is Channel.THINK:
             self._end_think(replay=self._closer_pending and stopped)
             if cut:
-                events.append(Reasoning(cut))
+                self._push(Reasoning, cut)
         elif self._channel is Channel.TOOLS and cut:
-            events.append(ToolMarkup(cut))
+            self._push(ToolMarkup, cut)
         elif cut and not cut.startswith(_ATOMS):
-            events.append(Content(cut))
+            self._push(Content, cut)
+        self._flush()
         self._channel = Channel.DONE
         return events
 
+    def _push(self, kind: type[ReaderEvent], text: str) -> None:
+        if kind is not self._run_kind:
+            self._flush()
+            self._run_kind = kind
+        self._run.append(text)
+
+    def _flush(self) -> None:
+        if self._run:
+            self._events.append(self._run_kind("".join(self._run)))
+            self._run = []
+        self._run_kind = None
+
     # -- dispatch -----------------------------------------------------------------
 
-    def _on_event(self, event: Text | Marker) -> None:
+    def _read(self, parts: list[str]) -> None:
+        """Dispatch the scanner's parts: text at even indices, markers at odd."""
+        index, count = 0, len(parts)
+        while index < count:
+            piece = parts[index]
+            if index & 1:
+                self._on_marker(piece)
+                index += 1
+                continue
+            state_markers = self._state_markers()
+            if state_markers is None:
+                if piece:
+                    self._on_text(piece)
+                index += 1
+                continue
+            # Framing here is dropped: join the text up to the next marker that can
+            # change the state, and read it as one piece.
+            end = index + 1
+            while end < count and parts[end] not in state_markers:
+                end += 2
+            joined = "".join(parts[index:end:2]) if end > index + 1 else piece
+            if joined:
+                self._on_text(joined)
+            index = end
+
+    def _state_markers(self) -> frozenset[str] | None:
+        """The markers that matter now, if all others are dropped; else ``None``."""
+        if self._channel is Channel.THINK and not self._closer_pending:
+            return _THINK_STATE_MARKERS
+        if self._channel is Channel.RESPONSE and not self._at_offset_zero:
+            return _RESPONSE_STATE_MARKERS
+        return None
+
+    def _on_text(self, text: str) -> None:
         channel = self._channel
-        if type(event) is Text:
-            if channel is Channel.THINK:
-                self._think_text(event.text)
-            elif channel is Channel.RESPONSE:
-                self._at_offset_zero = False
-                self._events.append(Content(event.text))
-            else:
-                self._events.append(ToolMarkup(event.text))
-            return
-        marker = event.marker
+        if channel is Channel.THINK:
+            self._think_text(text)
+        elif channel is Channel.RESPONSE:
+            self._at_offset_zero = False
+            self._push(Content, text)
+        else:
+            self._push(ToolMarkup, text)
+
+    def _on_marker(self, marker: str) -> None:
+        channel = self._channel
         if channel is Channel.THINK:
             self._think_marker(marker)
         elif channel is Channel.RESPONSE:
             self._response_marker(marker)
         else:
-            self._events.append(ToolMarkup(marker))
+            self._push(ToolMarkup, marker)
             if marker == vocab.TOOLS_END:
                 self._channel = Channel.RESPONSE
                 self._at_offset_zero = False
@@ -208,7 +263,7 @@ class ReasoningReader:
             if quoted_marker:
                 self._kept_quoted.append((start, start + len(text)))
         if self._policy is ReplayPolicy.REPLAY:
-            self._events.append(Reasoning(text))
+            self._push(Reasoning, text)
 
     def _end_think(self, *, replay: bool) -> None:
         """Decide the think channel: it was the reply (``replay``) or a thought."""
@@ -224,9 +279,9 @@ class ReasoningReader:
             kept = _without_spans(kept, quoted)
         if self._policy is ReplayPolicy.HOLD_BACK:
             if kept:
-                self._events.append(Content(kept) if replay else Reasoning(kept))
+                self._push(Content if replay else Reasoning, kept)
         elif replay and kept:
-            self._events.append(Content(kept))
+            self._push(Content, kept)
 
     # -- response channel ---------------------------------------------------------
 
@@ -243,7 +298,7 @@ class ReasoningReader:
     def _enter_tools(self, marker: str) -> None:
         self._channel = Channel.TOOLS
         self._at_offset_zero = False
-        self._events.append(ToolMarkup(marker))
+        self._push(ToolMarkup, marker)
 
 
 def _without_spans(text: str, spans: list[tuple[int, int]]) -> str:
