@@ -253,3 +253,31 @@ def test_answer_closer_is_not_a_reasoning_end(hf_tokenizer):
         parser.is_reasoning_end_streaming(ids[:i], ids[i - 1 : i])
         for i in range(1, len(ids) + 1)
     )
+
+
+def test_bad_replay_policy_fails_at_registration(monkeypatch):
+    from vllm_k3_plugin.vllm_adapter.registration import register_all
+
+    monkeypatch.setenv("VLLM_K3_REPLAY_POLICY", "sometimes")
+    with pytest.raises(ValueError, match="replay, hold-back"):
+        register_all()
+
+
+def test_hold_back_policy_is_read_from_the_environment(monkeypatch, hf_tokenizer):
+    monkeypatch.setenv("VLLM_K3_REPLAY_POLICY", "hold-back")
+    ids = _encode(hf_tokenizer, "The answer is 4." + RESPONSE_END)
+    ids.append(vocab.END_OF_MSG_ID)
+    prompt = _prompt(hf_tokenizer, True)
+    request = _request(max_tokens=64)
+    parser_cls = _parser_cls(None)
+    streamed_reasoning = []
+    parser = parser_cls(hf_tokenizer, None, chat_template_kwargs={})
+    for token in ids[:-1]:
+        text = hf_tokenizer.decode([token], skip_special_tokens=False)
+        delta = parser.parse_delta(text, [token], request, prompt, finished=False)
+        streamed_reasoning.append(delta.reasoning if delta else None)
+    assert not any(streamed_reasoning), "hold-back streams no reasoning live"
+    assert _whole(parser_cls, hf_tokenizer, prompt, ids, request)[:2] == (
+        "",
+        "The answer is 4.",
+    )

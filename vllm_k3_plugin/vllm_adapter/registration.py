@@ -26,6 +26,10 @@ _COMPOSE_MARK = "_vllm_k3_plugin_wrapped"
 
 
 def register_all() -> None:
+    from vllm_k3_plugin.vllm_adapter.settings import replay_policy
+
+    # A bad VLLM_K3_REPLAY_POLICY fails here, at process start, not in a request.
+    replay_policy()
     _register_reasoning_parser()
     _wrap_parser_composition()
 
