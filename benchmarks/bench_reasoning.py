@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import re
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
 
 from vllm_k3_plugin import compare, vocab
-from vllm_k3_plugin.reasoning_reader import read_whole
+from vllm_k3_plugin.reasoning_reader import Channel, ReasoningReader, read_whole
 
 THOUGHT_WORDS = (
     "the answer is we need to check whether first then consider case value sum of "
@@ -80,6 +82,14 @@ def time_stream(parser_cls, tokenizer, ids, deltas, request) -> tuple[float, flo
     return end - start, end - tail_start
 
 
+def feed_reader(deltas: list[str]) -> None:
+    """The sans-I/O reader alone, fed the same per-token text."""
+    reader = ReasoningReader(start=Channel.THINK)
+    for text in deltas:
+        reader.feed(text)
+    reader.finish(stopped=True)
+
+
 def best_of(repeats: int, run: Callable[[], object]) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -96,6 +106,115 @@ def bare_regex_pass(text: str) -> int:
     return count
 
 
+class Bench:
+    """Both parsers on one tokenizer, the prompt prepared once."""
+
+    def __init__(self) -> None:
+        self.tokenizer = compare.load_tokenizer()
+        self.in_tree = compare.in_tree_parser_cls()
+        self.ours = compare.our_parser_cls()
+        self.prompt = compare.prompt_ids(self.tokenizer, True)
+
+    def parse(self, parser_cls, text, ids, request) -> None:
+        compare.parse_text(
+            parser_cls, self.tokenizer, text, ids, request, prompt=self.prompt
+        )
+
+    def streaming(self, size: int) -> dict:
+        ids = output_ids(self.tokenizer, size)
+        deltas = compare.delta_texts(self.tokenizer, ids)
+        request = compare.chat_request(len(ids) + 16)
+        ours, ours_tail = time_stream(self.ours, self.tokenizer, ids, deltas, request)
+        tree, tree_tail = time_stream(
+            self.in_tree, self.tokenizer, ids, deltas, request
+        )
+        reader = best_of(3, partial(feed_reader, deltas))
+        n, n_tail = len(ids), len(ids) - int(len(ids) * 0.9)
+        text = "".join(deltas)
+        return {
+            "think_tokens": size,
+            "output_tokens": n,
+            "in_tree_us": tree / n * 1e6,
+            "in_tree_tail_us": tree_tail / n_tail * 1e6,
+            "ours_us": ours / n * 1e6,
+            "ours_tail_us": ours_tail / n_tail * 1e6,
+            "reader_streamed_us": reader / n * 1e6,
+            **self.whole(text, ids, request, per=n),
+        }
+
+    def whole(self, text, ids, request, *, per: int) -> dict:
+        """Whole-output reads, best of 5, in µs divided by ``per``."""
+        scale = 1e6 / per
+        return {
+            "regex_whole_us": best_of(5, partial(bare_regex_pass, text)) * scale,
+            "reader_whole_us": best_of(5, partial(read_whole, text, stopped=True))
+            * scale,
+            "ours_whole_us": best_of(
+                5, partial(self.parse, self.ours, text, ids, request)
+            )
+            * scale,
+            "in_tree_whole_us": best_of(
+                3, partial(self.parse, self.in_tree, text, ids, request)
+            )
+            * scale,
+        }
+
+    def dense_markers(self) -> dict:
+        """A whole output of about 1.08M characters holding 32,768 framing markers."""
+        unit = "some words in the thought " + vocab.SEP
+        text = unit * 32768 + vocab.THINK_END + vocab.RESPONSE_START + REPLY
+        text += vocab.RESPONSE_END + vocab.MESSAGE_END
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids.append(vocab.END_OF_MSG_ID)
+        request = compare.chat_request(len(ids) + 16)
+        return {"characters": len(text), **self.whole(text, ids, request, per=1000)}
+
+
+def print_tables(rows: list[dict], dense: dict, header: str) -> None:
+    print(header + "\n")
+    print("Streaming, one `parse_delta` per token, µs per token:\n")
+    print(
+        "| think tokens | in-tree | in-tree, last 10% | ours | ours, last 10% "
+        "| in-tree / ours | our reader alone |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['think_tokens']} | {r['in_tree_us']:.1f} "
+            f"| {r['in_tree_tail_us']:.1f} | {r['ours_us']:.1f} "
+            f"| {r['ours_tail_us']:.1f} "
+            f"| {r['in_tree_us'] / r['ours_us']:.1f}x | {r['reader_streamed_us']:.2f} |"
+        )
+    print("\nWhole output, best of 5, µs per token:\n")
+    print(
+        "| think tokens | bare regex pass | our reader | our `parse` | in-tree `parse` "
+        "| reader / regex | `parse` / regex |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['think_tokens']} | {r['regex_whole_us']:.4f} "
+            f"| {r['reader_whole_us']:.4f} | {r['ours_whole_us']:.4f} "
+            f"| {r['in_tree_whole_us']:.4f} "
+            f"| {r['reader_whole_us'] / r['regex_whole_us']:.1f}x "
+            f"| {r['ours_whole_us'] / r['regex_whole_us']:.1f}x |"
+        )
+    print(
+        f"\nWhole output of {dense['characters']:,} characters holding 32,768 framing "
+        "markers, ms:\n"
+    )
+    print("| bare regex pass | our reader | our `parse` | in-tree `parse` |")
+    print("|---:|---:|---:|---:|")
+    print(
+        f"| {dense['regex_whole_us']:.1f} | {dense['reader_whole_us']:.1f} "
+        f"| {dense['ours_whole_us']:.1f} | {dense['in_tree_whole_us']:.1f} |"
+    )
+    print(
+        "\nAll read the same prepared text. `parse` is the whole combined parser "
+        "(prompt state, stop detection, reader); 'reader' is the sans-I/O reader alone."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -104,89 +223,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here as JSON")
     args = parser.parse_args(argv)
 
-    tokenizer = compare.load_tokenizer()
-    in_tree = compare.in_tree_parser_cls()
-    ours = compare.our_parser_cls()
-    print(
-        f"# {platform.processor() or platform.machine()}, Python "
-        f"{platform.python_version()}, vLLM {_vllm_version()}\n"
-    )
-    print("Streaming (one parse_delta per token), µs per token:\n")
-    print(
-        "| think tokens | in-tree | in-tree, last 10% | ours | ours, last 10% "
-        "| in-tree / ours |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|")
+    bench = Bench()
     rows = []
-    outputs = {}
     for size in args.sizes:
-        ids = output_ids(tokenizer, size)
-        deltas = compare.delta_texts(tokenizer, ids)
-        request = compare.chat_request(len(ids) + 16)
-        outputs[size] = (ids, "".join(deltas), request)
-        ours_total, ours_tail = time_stream(ours, tokenizer, ids, deltas, request)
-        tree_total, tree_tail = time_stream(in_tree, tokenizer, ids, deltas, request)
-        n, n_tail = len(ids), len(ids) - int(len(ids) * 0.9)
-        row = {
-            "think_tokens": size,
-            "output_tokens": n,
-            "in_tree_us_per_token": tree_total / n * 1e6,
-            "in_tree_tail_us_per_token": tree_tail / n_tail * 1e6,
-            "ours_us_per_token": ours_total / n * 1e6,
-            "ours_tail_us_per_token": ours_tail / n_tail * 1e6,
-        }
-        rows.append(row)
-        print(
-            f"| {size} | {row['in_tree_us_per_token']:.1f} "
-            f"| {row['in_tree_tail_us_per_token']:.1f} "
-            f"| {row['ours_us_per_token']:.1f} | {row['ours_tail_us_per_token']:.1f} "
-            f"| {tree_total / ours_total:.1f}x |",
-            flush=True,
-        )
-
-    print("\nWhole output, µs per token (best of 5):\n")
-    print(
-        "| think tokens | bare regex pass | our reader | our parse | in-tree parse "
-        "| reader / regex | parse / regex |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        ids, text, request = outputs[row["think_tokens"]]
-        n = len(ids)
-        regex = best_of(5, partial(bare_regex_pass, text))
-        reader = best_of(5, partial(read_whole, text, stopped=True))
-        ours_parse = best_of(
-            5, partial(compare.parse_text, ours, tokenizer, text, ids, request)
-        )
-        tree_parse = best_of(
-            5, partial(compare.parse_text, in_tree, tokenizer, text, ids, request)
-        )
-        row.update(
-            regex_us_per_token=regex / n * 1e6,
-            reader_us_per_token=reader / n * 1e6,
-            ours_parse_us_per_token=ours_parse / n * 1e6,
-            in_tree_parse_us_per_token=tree_parse / n * 1e6,
-        )
-        print(
-            f"| {row['think_tokens']} | {regex / n * 1e6:.3f} "
-            f"| {reader / n * 1e6:.3f} | {ours_parse / n * 1e6:.3f} "
-            f"| {tree_parse / n * 1e6:.3f} | {reader / regex:.1f}x "
-            f"| {ours_parse / regex:.1f}x |"
-        )
-    print(
-        "\nAll four read the same decoded text; 'parse' is the whole parser "
-        "(prompt state, stop detection, reader), 'reader' the sans-I/O reader alone."
-    )
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=2)
-    return 0
-
-
-def _vllm_version() -> str:
+        rows.append(bench.streaming(size))
+        print(f"  measured {size} think tokens", file=sys.stderr, flush=True)
+    dense = bench.dense_markers()
     import vllm
 
-    return vllm.__version__
+    header = (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}, vLLM {vllm.__version__}"
+    )
+    print_tables(rows, dense, header)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"machine": header, "rows": rows, "dense": dense}, out, indent=2)
+    return 0
 
 
 if __name__ == "__main__":

@@ -150,12 +150,15 @@ def parse_text(
     request: Any,
     *,
     thinking: bool = True,
+    prompt: Sequence[int] | None = None,
 ) -> Parsed:
-    """``parse`` of an output whose text is already decoded."""
+    """``parse`` of an output whose text (and, optionally, prompt) is prepared."""
     parser = parser_cls(
         tokenizer, request.tools, chat_template_kwargs={"thinking": thinking}
     )
-    parser.set_prompt_token_ids(prompt_ids(tokenizer, thinking))
+    parser.set_prompt_token_ids(
+        prompt_ids(tokenizer, thinking) if prompt is None else prompt
+    )
     reasoning, content, calls = parser.parse(
         text,
         request,
