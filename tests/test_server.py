@@ -96,3 +96,13 @@ def test_tools_channel(k3_server, hf_tokenizer, endpoint, shape):
     )
     assert (reply.reasoning, reply.content) == TOOL_SHAPES[shape]
     assert reply.tool_calls == (WEATHER_CALL,)
+
+
+@pytest.mark.parametrize("process", ["APIServer", "EngineCore"])
+def test_our_parser_is_registered_in_each_process(k3_server, k3_server_log, process):
+    """The engine core builds its own reasoning parser (structured output)."""
+    lines = k3_server_log.read_text(errors="replace").splitlines()
+    assert any(
+        f"({process}" in line and "kimi_k3 reasoning parser registered" in line
+        for line in lines
+    )

@@ -129,7 +129,13 @@ class ReasoningReader:
         if self._channel is Channel.DONE:
             raise RuntimeError("feed() after finish()")
         self._events = events = []
-        self._read(self._scanner.feed_parts(text))
+        parts = self._scanner.feed_parts(text)
+        if len(parts) == 1:
+            # The usual streaming step: text and no marker.
+            if parts[0]:
+                self._on_text(parts[0])
+        else:
+            self._read(parts)
         self._flush()
         return events
 

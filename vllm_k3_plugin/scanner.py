@@ -128,7 +128,17 @@ class MarkerScanner:
     def _undecided_tail(self, text: str) -> int:
         """Start of the longest suffix of ``text`` that could begin a marker."""
         end = len(text)
-        for index in range(max(0, end - self._max_hold), end):
+        lo = max(0, end - self._max_hold)
+        if len(self._starts) == 1:
+            # Every marker starts with one character: visit only its occurrences.
+            (start_char,) = self._starts
+            index = text.find(start_char, lo)
+            while index != -1:
+                if text[index:] in self._prefixes:
+                    return index
+                index = text.find(start_char, index + 1)
+            return end
+        for index in range(lo, end):
             if text[index] in self._starts and text[index:] in self._prefixes:
                 return index
         return end

@@ -29,9 +29,18 @@ def register_all() -> None:
     from vllm_k3_plugin.vllm_adapter.settings import replay_policy
 
     # A bad VLLM_K3_REPLAY_POLICY fails here, at process start, not in a request.
-    replay_policy()
+    policy = replay_policy()
     _register_reasoning_parser()
     _wrap_parser_composition()
+    from vllm.logger import init_logger
+
+    from vllm_k3_plugin import __version__
+
+    init_logger(__name__).info(
+        "vllm-k3-plugin %s: kimi_k3 reasoning parser registered (replay policy: %s)",
+        __version__,
+        policy.value,
+    )
 
 
 def _register_reasoning_parser() -> None:
