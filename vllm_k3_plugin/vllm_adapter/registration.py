@@ -36,7 +36,8 @@ def register_all() -> None:
 
     from vllm_k3_plugin import __version__
 
-    init_logger(__name__).info(
+    # vLLM configures the ``vllm`` logger tree only; ours must live under it.
+    init_logger("vllm.k3_plugin").info(
         "vllm-k3-plugin %s: kimi_k3 reasoning parser registered (replay policy: %s)",
         __version__,
         policy.value,
