@@ -63,10 +63,11 @@ def output_ids(tokenizer, n_think: int) -> list[int]:
     ]
 
 
-def time_stream(parser_cls, tokenizer, ids, deltas, request) -> tuple[float, float]:
+def time_stream(
+    parser_cls, tokenizer, ids, deltas, request, prompt
+) -> tuple[float, float]:
     """Seconds for the whole stream, and for its last 10% of steps."""
-    parser = parser_cls(tokenizer, None, chat_template_kwargs={"thinking": True})
-    prompt = compare.prompt_ids(tokenizer, True)
+    parser = compare.new_parser(parser_cls, tokenizer, request, thinking=True)
     last = len(ids) - 1
     tail_from = int(len(ids) * 0.9)
     clock = time.perf_counter
@@ -120,14 +121,17 @@ class Bench:
             parser_cls, self.tokenizer, text, ids, request, prompt=self.prompt
         )
 
+    def time_stream(self, parser_cls, ids, deltas, request) -> tuple[float, float]:
+        return time_stream(
+            parser_cls, self.tokenizer, ids, deltas, request, self.prompt
+        )
+
     def streaming(self, size: int) -> dict:
         ids = output_ids(self.tokenizer, size)
         deltas = compare.delta_texts(self.tokenizer, ids)
         request = compare.chat_request(len(ids) + 16)
-        ours, ours_tail = time_stream(self.ours, self.tokenizer, ids, deltas, request)
-        tree, tree_tail = time_stream(
-            self.in_tree, self.tokenizer, ids, deltas, request
-        )
+        ours, ours_tail = self.time_stream(self.ours, ids, deltas, request)
+        tree, tree_tail = self.time_stream(self.in_tree, ids, deltas, request)
         reader = best_of(3, partial(feed_reader, deltas))
         n, n_tail = len(ids), len(ids) - int(len(ids) * 0.9)
         text = "".join(deltas)

@@ -20,7 +20,7 @@ from vllm.parser.parser_manager import ParserManager
 from vllm.reasoning import ReasoningParserManager
 
 import vllm_k3_plugin
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin import compare, vocab
 from vllm_k3_plugin.reasoning_reader import read_whole
 from vllm_k3_plugin.vllm_adapter.parser import K3Parser
 from vllm_k3_plugin.vllm_adapter.reasoning_parser import (
@@ -51,11 +51,7 @@ def registered():
 
 
 def _parser_cls(tool_parser: str | None = "kimi_k3"):
-    return ParserManager.get_parser(
-        tool_parser_name=tool_parser,
-        reasoning_parser_name="kimi_k3",
-        enable_auto_tools=tool_parser is not None,
-    )
+    return compare.our_parser_cls(tool_parser)
 
 
 def _request(**fields) -> ChatCompletionRequest:
@@ -64,53 +60,20 @@ def _request(**fields) -> ChatCompletionRequest:
     )
 
 
-def _prompt(hf_tokenizer, thinking: bool) -> list[int]:
-    prefix = vocab.THINKING_ON_PREFIX if thinking else vocab.THINKING_OFF_PREFIX
-    return hf_tokenizer.encode("Hello" + prefix, add_special_tokens=False)
+_prompt = compare.prompt_ids
 
 
 def _whole(parser_cls, hf_tokenizer, prompt, ids, request, thinking=True):
-    kwargs = {} if thinking else {"thinking": False}
-    parser = parser_cls(hf_tokenizer, None, chat_template_kwargs=kwargs)
-    parser.set_prompt_token_ids(prompt)
-    text = _engine_text(hf_tokenizer, ids)
-    reasoning, content, calls = parser.parse(
-        text, request, enable_auto_tools=True, model_output_token_ids=ids
+    return compare.parse_whole(
+        parser_cls, hf_tokenizer, ids, request, thinking=thinking, prompt=prompt
     )
-    return reasoning or "", content or "", calls
 
 
 def _streamed(parser_cls, hf_tokenizer, prompt, ids, request, thinking=True):
-    """One ``parse_delta`` per token, the text deltas from prefix decoding."""
-    kwargs = {} if thinking else {"thinking": False}
-    parser = parser_cls(hf_tokenizer, None, chat_template_kwargs=kwargs)
-    reasoning, content, calls = [], [], []
-    previous = ""
-    for i in range(len(ids)):
-        current = hf_tokenizer.decode(ids[: i + 1], skip_special_tokens=False)
-        if vocab.MODEL_STOP_IDS.isdisjoint(ids[i : i + 1]):
-            delta_text, previous = current[len(previous) :], current
-        else:
-            delta_text = ""  # the engine drops the stop token from the text
-        delta = parser.parse_delta(
-            delta_text,
-            [ids[i]],
-            request,
-            prompt_token_ids=prompt,
-            finished=i == len(ids) - 1,
-        )
-        if delta is not None:
-            reasoning.append(delta.reasoning or "")
-            content.append(delta.content or "")
-            calls += delta.tool_calls or []
-    return "".join(reasoning), "".join(content), calls
-
-
-def _engine_text(hf_tokenizer, ids: list[int]) -> str:
-    """The output text as the engine hands it over: the stop token is not in it."""
-    if ids and ids[-1] in vocab.MODEL_STOP_IDS:
-        ids = ids[:-1]
-    return hf_tokenizer.decode(ids, skip_special_tokens=False)
+    """One ``parse_delta`` per token, text from the incremental detokenizer."""
+    return compare.parse_streamed(
+        parser_cls, hf_tokenizer, ids, request, thinking=thinking, prompt=prompt
+    )
 
 
 def _encode(hf_tokenizer, text: str) -> list[int]:
@@ -167,7 +130,7 @@ def test_streamed_equals_whole(hf_tokenizer, text, stopped, thinking):
     streamed = _streamed(parser_cls, hf_tokenizer, prompt, ids, request, thinking)
     assert streamed[:2] == whole[:2]
     reading = read_whole(
-        _engine_text(hf_tokenizer, ids),
+        compare.engine_text(hf_tokenizer, ids),
         start=start_channel(prompt, K3ReasoningParser(hf_tokenizer).decode, thinking),
         stopped=stopped,
         tools_as_content=True,
@@ -271,9 +234,9 @@ def test_hold_back_policy_is_read_from_the_environment(monkeypatch, hf_tokenizer
     request = _request(max_tokens=64)
     parser_cls = _parser_cls(None)
     streamed_reasoning = []
-    parser = parser_cls(hf_tokenizer, None, chat_template_kwargs={})
-    for token in ids[:-1]:
-        text = hf_tokenizer.decode([token], skip_special_tokens=False)
+    parser = compare.new_parser(parser_cls, hf_tokenizer, request, thinking=True)
+    before_stop = ids[:-1]
+    for token, text in zip(before_stop, compare.delta_texts(hf_tokenizer, before_stop)):
         delta = parser.parse_delta(text, [token], request, prompt, finished=False)
         streamed_reasoning.append(delta.reasoning if delta else None)
     assert not any(streamed_reasoning), "hold-back streams no reasoning live"

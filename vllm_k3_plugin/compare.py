@@ -130,6 +130,13 @@ def _calls(tool_calls: Any) -> tuple[tuple[str, str], ...]:
     return tuple(calls)
 
 
+def new_parser(parser_cls: type, tokenizer: Any, request: Any, thinking: bool) -> Any:
+    """One request's parser, built as chat completions builds it."""
+    return parser_cls(
+        tokenizer, request.tools, chat_template_kwargs={"thinking": thinking}
+    )
+
+
 def parse_whole(
     parser_cls: type,
     tokenizer: Any,
@@ -137,9 +144,12 @@ def parse_whole(
     request: Any,
     *,
     thinking: bool = True,
+    prompt: Sequence[int] | None = None,
 ) -> Parsed:
     text = engine_text(tokenizer, ids)
-    return parse_text(parser_cls, tokenizer, text, ids, request, thinking=thinking)
+    return parse_text(
+        parser_cls, tokenizer, text, ids, request, thinking=thinking, prompt=prompt
+    )
 
 
 def parse_text(
@@ -153,9 +163,7 @@ def parse_text(
     prompt: Sequence[int] | None = None,
 ) -> Parsed:
     """``parse`` of an output whose text (and, optionally, prompt) is prepared."""
-    parser = parser_cls(
-        tokenizer, request.tools, chat_template_kwargs={"thinking": thinking}
-    )
+    parser = new_parser(parser_cls, tokenizer, request, thinking)
     parser.set_prompt_token_ids(
         prompt_ids(tokenizer, thinking) if prompt is None else prompt
     )
@@ -175,13 +183,11 @@ def parse_streamed(
     request: Any,
     *,
     thinking: bool = True,
-    deltas: Sequence[str] | None = None,
+    prompt: Sequence[int] | None = None,
 ) -> Parsed:
-    parser = parser_cls(
-        tokenizer, request.tools, chat_template_kwargs={"thinking": thinking}
-    )
-    prompt = prompt_ids(tokenizer, thinking)
-    deltas = delta_texts(tokenizer, ids) if deltas is None else deltas
+    parser = new_parser(parser_cls, tokenizer, request, thinking)
+    prompt = prompt_ids(tokenizer, thinking) if prompt is None else prompt
+    deltas = delta_texts(tokenizer, ids)
     reasoning: list[str] = []
     content: list[str] = []
     calls: dict[int, list[str]] = {}

@@ -350,6 +350,5 @@ def collect(events: list[ReaderEvent], *, tools_as_content: bool = False) -> Rea
             content.append(event.text)
         else:
             tools.append(event.text)
-    if tools_as_content:
-        return Reading("".join(reasoning), "".join(content), "")
-    return Reading("".join(reasoning), "".join(content), "".join(tools))
+    tool_markup = "" if tools_as_content else "".join(tools)
+    return Reading("".join(reasoning), "".join(content), tool_markup)

@@ -91,7 +91,8 @@ class MarkerScanner:
         """``feed`` without event objects, for readers on the hot path.
 
         Returns ``[text, marker, text, ..., marker, text]``: markers at odd indices,
-        text (possibly empty) at even ones; ``[]`` when nothing is decided yet.
+        text (possibly empty) at even ones; ``[]`` only for an empty feed with
+        nothing held.
         """
         if self._finished:
             raise RuntimeError("feed() after finish()")

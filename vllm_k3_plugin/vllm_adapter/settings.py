@@ -1,4 +1,8 @@
-"""Operator settings, read from the environment once per process."""
+"""Operator settings, read from the environment.
+
+Each parser reads them when it is built; registration reads them once at process
+start, so a bad value stops the server there rather than failing a request.
+"""
 
 from __future__ import annotations
 
