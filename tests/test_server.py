@@ -106,6 +106,7 @@ def test_our_reasoning_parser_is_registered_in_the_engine_core(
     plugins before vLLM configures logging, so only the engine core's line shows."""
     lines = k3_server_log.read_text(errors="replace").splitlines()
     assert any(
-        "(EngineCore" in line and "kimi_k3 reasoning parser registered" in line
+        "(EngineCore" in line
+        and "kimi_k3 reasoning and tool parsers registered" in line
         for line in lines
     )

@@ -8,6 +8,7 @@ the last; whole is ``set_prompt_token_ids`` then ``parse``, as chat completions 
 
 from __future__ import annotations
 
+import importlib
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,8 @@ class Parsed(NamedTuple):
     reasoning: str
     content: str
     tool_calls: tuple[tuple[str, str], ...]
+    """``(name, arguments)`` per call."""
+    tool_call_ids: tuple[str | None, ...] = ()
 
 
 def load_tokenizer(directory: Path | None = None) -> Any:
@@ -48,7 +51,7 @@ def in_tree_parser_cls(tool_parser: str | None = None) -> type:
         (KimiK3Parser,),
         {
             "reasoning_parser_cls": KimiK3ReasoningParser,
-            "tool_parser_cls": _tool_parser_cls(tool_parser),
+            "tool_parser_cls": _in_tree_tool_parser_cls(tool_parser),
         },
     )
 
@@ -67,11 +70,15 @@ def our_parser_cls(tool_parser: str | None = None) -> type:
     )
 
 
-def _tool_parser_cls(name: str | None) -> type | None:
+def _in_tree_tool_parser_cls(name: str | None) -> type | None:
+    """vLLM's own tool parser of that name, even where the plugin replaced it."""
     if name is None:
         return None
     from vllm.tool_parsers import ToolParserManager
 
+    if name in ToolParserManager.lazy_parsers:
+        module, class_name = ToolParserManager.lazy_parsers[name]
+        return getattr(importlib.import_module(module), class_name)
     return ToolParserManager.get_tool_parser(name)
 
 
@@ -130,6 +137,10 @@ def _calls(tool_calls: Any) -> tuple[tuple[str, str], ...]:
     return tuple(calls)
 
 
+def _call_ids(tool_calls: Any) -> tuple[str | None, ...]:
+    return tuple(getattr(call, "id", None) for call in tool_calls or ())
+
+
 def new_parser(parser_cls: type, tokenizer: Any, request: Any, thinking: bool) -> Any:
     """One request's parser, built as chat completions builds it."""
     return parser_cls(
@@ -173,7 +184,7 @@ def parse_text(
         enable_auto_tools=parser_cls.tool_parser_cls is not None,
         model_output_token_ids=list(ids),
     )
-    return Parsed(reasoning or "", content or "", _calls(calls))
+    return Parsed(reasoning or "", content or "", _calls(calls), _call_ids(calls))
 
 
 def parse_streamed(
@@ -191,6 +202,7 @@ def parse_streamed(
     reasoning: list[str] = []
     content: list[str] = []
     calls: dict[int, list[str]] = {}
+    ids_by_index: dict[int, str | None] = {}
     last = len(ids) - 1
     for i, (token, text) in enumerate(zip(ids, deltas)):
         delta = parser.parse_delta(
@@ -202,6 +214,7 @@ def parse_streamed(
         content.append(delta.content or "")
         for call in delta.tool_calls or ():
             entry = calls.setdefault(call.index, ["", ""])
+            ids_by_index.setdefault(call.index, call.id)
             if call.function is not None:
                 entry[0] += call.function.name or ""
                 entry[1] += call.function.arguments or ""
@@ -209,4 +222,5 @@ def parse_streamed(
         "".join(reasoning),
         "".join(content),
         tuple((name, args) for name, args in (calls[i] for i in sorted(calls))),
+        tuple(ids_by_index[i] for i in sorted(calls)),
     )

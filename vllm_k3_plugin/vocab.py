@@ -39,8 +39,21 @@ RESPONSE_END = closer("response")
 TOOLS_START = opener("tools")
 TOOLS_END = closer("tools")
 CALL_END = closer("call")
+# Seen in the wild: the call closer without its separator.
+CALL_END_UNSEPARATED = f"{CLOSE}call"
+ARGUMENT_END = closer("argument")
+JSON_END = closer("json")
 ASSISTANT_START = opener("message", 'role="assistant"')
 MESSAGE_END = closer("message")
+
+# Element names inside the tools channel: ``call tool= index=`` holds ``argument
+# key= type=`` elements or one ``json type="object"`` block.
+CALL = "call"
+ARGUMENT = "argument"
+JSON_BLOCK = "json"
+STRING_TYPE = "string"
+# Attribute values are escaped ``&`` first, then ``"``; unescaped in reverse.
+ATTRIBUTE_ESCAPES = (("&", "&amp;"), ('"', "&quot;"))
 
 # Generation prefixes the chat template writes at the end of the prompt.
 THINKING_ON_PREFIX = ASSISTANT_START + THINK_START
@@ -102,4 +115,20 @@ REASONING_MARKERS = (
     RESPONSE_END,
     TOOLS_START,
     *FRAMING,
+)
+
+# Every marker the tool-call reader distinguishes inside the tools channel. Openers
+# carry attributes, so they are read as ``OPEN`` ... ``SEP``.
+TOOL_MARKERS = (
+    TOOLS_START,
+    TOOLS_END,
+    CALL_END,
+    CALL_END_UNSEPARATED,
+    ARGUMENT_END,
+    JSON_END,
+    MESSAGE_END,
+    END_OF_MSG,
+    OPEN,
+    CLOSE,
+    SEP,
 )

@@ -11,7 +11,9 @@ Why not vLLM's own ``KimiK3Parser`` around our reasoning parser: its
 reasoning parser API never learns how the output ended (rule 5 needs it). Here each
 step costs O(delta), and ``finished`` plus the last token id decide ``stopped``.
 
-The tools channel is handed, as raw markup, to the configured tool parser.
+The tools channel goes, as raw markup, to one ``ToolCallStream`` per request when the
+tool parser is ours (``--tool-call-parser kimi_k3``), and to any other configured tool
+parser through its own API otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ from vllm_k3_plugin.vllm_adapter.request_state import (
     thinking_requested,
 )
 from vllm_k3_plugin.vllm_adapter.settings import replay_policy
+from vllm_k3_plugin.vllm_adapter.tool_parser import (
+    K3ToolParser,
+    ToolCallStream,
+    read_function_calls,
+)
 
 
 def _tools_wanted(request: Any) -> bool:
@@ -88,6 +95,7 @@ class _Stream:
         "output_len",
         "prompt_len",
         "reader",
+        "tool_calls",
         "tool_text",
     )
 
@@ -97,7 +105,8 @@ class _Stream:
         self.output_len = 0
         self.last_id: int | None = None
         self.content_gate = _ContentGate()
-        # The tools channel so far: the tool parser's streaming API wants it whole.
+        self.tool_calls: ToolCallStream | None = None
+        # Another tool parser's streaming API wants the tools channel so far, whole.
         self.tool_text = ""
         self.calls_made = False
 
@@ -196,6 +205,8 @@ class K3Parser(DelegatingParser):
             return None, reading.content
         if not markup or not _tools_wanted(request):
             return ([] if markup else None), reading.content
+        if isinstance(self._tool_parser, K3ToolParser):
+            return read_function_calls(markup, request) or None, reading.content
         info = self.extract_tool_calls(markup, request)
         if not info.tools_called:
             return None, reading.content
@@ -244,8 +255,10 @@ class K3Parser(DelegatingParser):
 
         content = reading.content
         tool_calls: list[Any] = []
-        if reading.tool_markup and _tools_wanted(request):
-            tool_calls = self._stream_tools(stream, reading.tool_markup, request)
+        if _tools_wanted(request) and (reading.tool_markup or stream.tool_calls):
+            tool_calls = self._stream_tools(
+                stream, reading.tool_markup, request, finished=finished
+            )
         content = stream.content_gate.pass_through(content)
         if finished:
             content += stream.content_gate.close(tool_calls_made=stream.calls_made)
@@ -257,7 +270,19 @@ class K3Parser(DelegatingParser):
             reasoning=reasoning or None, content=content or None, tool_calls=tool_calls
         )
 
-    def _stream_tools(self, stream: _Stream, markup: str, request: Any) -> list[Any]:
+    def _stream_tools(
+        self, stream: _Stream, markup: str, request: Any, *, finished: bool
+    ) -> list[Any]:
+        if isinstance(self._tool_parser, K3ToolParser):
+            if stream.tool_calls is None:
+                stream.tool_calls = ToolCallStream(request)
+            deltas = stream.tool_calls.feed(markup) if markup else []
+            if finished:
+                deltas += stream.tool_calls.finish()
+            stream.calls_made = stream.tool_calls.calls_made
+            return deltas
+        if not markup:
+            return []
         previous = stream.tool_text
         stream.tool_text = current = previous + markup
         delta = self.extract_tool_calls_streaming(

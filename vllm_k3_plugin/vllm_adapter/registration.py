@@ -6,7 +6,11 @@
    reasoning end?), so this must happen eagerly in each process, which vLLM's
    general-plugin loading gives us.
 
-2. ``ParserManager._compose_parser`` wrapped (API server only, where it is called):
+2. ``ToolParserManager.register_module("kimi_k3", K3ToolParser)``: the name
+   ``--tool-call-parser kimi_k3`` resolves to ours (registered classes take
+   precedence over vLLM's lazily imported in-tree one).
+
+3. ``ParserManager._compose_parser`` wrapped (API server only, where it is called):
    vLLM has no registry for combined parsers. For the name ``kimi_k3`` it hard-codes
    its ``KimiK3Parser``, whose streaming rebuilds the whole output every step and
    never tells the reader how the output ended. When the composed class would carry
@@ -31,6 +35,7 @@ def register_all() -> None:
     # A bad VLLM_K3_REPLAY_POLICY fails here, at process start, not in a request.
     policy = replay_policy()
     _register_reasoning_parser()
+    _register_tool_parser()
     _wrap_parser_composition()
     from vllm.logger import init_logger
 
@@ -38,7 +43,8 @@ def register_all() -> None:
 
     # vLLM configures the ``vllm`` logger tree only; ours must live under it.
     init_logger("vllm.k3_plugin").info(
-        "vllm-k3-plugin %s: kimi_k3 reasoning parser registered (replay policy: %s)",
+        "vllm-k3-plugin %s: kimi_k3 reasoning and tool parsers registered "
+        "(replay policy: %s)",
         __version__,
         policy.value,
     )
@@ -52,6 +58,14 @@ def _register_reasoning_parser() -> None:
     ReasoningParserManager.register_module(
         name="kimi_k3", force=True, module=K3ReasoningParser
     )
+
+
+def _register_tool_parser() -> None:
+    from vllm.tool_parsers import ToolParserManager
+
+    from vllm_k3_plugin.vllm_adapter.tool_parser import K3ToolParser
+
+    ToolParserManager.register_module(name="kimi_k3", force=True, module=K3ToolParser)
 
 
 def _wrap_parser_composition() -> None:

@@ -1,0 +1,241 @@
+"""``kimi_k3`` as a vLLM ``ToolParser``, reading with ``ToolCallReader``.
+
+``K3Parser`` (our combined parser) drives ``ToolCallReader`` itself, one per request,
+with the tools channel the reasoning reader hands over; this class is what the
+registry returns for ``--tool-call-parser kimi_k3``, so that the combined parser is
+built with it, and it serves callers that drive a bare tool parser.
+
+Request handling (``adjust_request``: the markers must reach the parser as text, the
+XTML structural tag for ``required`` and named tool choice) is vLLM's own
+``KimiK3ToolParser``'s, inherited: it matches what the engine generates.
+
+Decisions shared with ``K3Parser``:
+
+- Tool-call ids are ``functions.NAME:N``, N counting every call of the conversation
+  from 0 (calls in the request's history first): the form vLLM gives Kimi models,
+  unique within the conversation, the same streamed and not, and what K3's chat
+  renderer matches a tool result's ``tool_call_id`` against in the next turn.
+- A call to a tool the request did not declare is returned as the model wrote it
+  (the client can answer it with an error result) and logged once per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.entrypoints.generate.base.protocol import (
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    ExtractedToolCallInformation,
+    FunctionCall,
+    ToolCall,
+)
+from vllm.logger import init_logger
+from vllm.tool_parsers.kimi_k3_tool_parser import KimiK3ToolParser
+
+from vllm_k3_plugin.reasoning_reader import Channel, ReasoningReader, collect
+from vllm_k3_plugin.tool_reader import (
+    ArgumentsDelta,
+    CallOpened,
+    Dropped,
+    ToolCallReader,
+    ToolEvent,
+    read_calls,
+)
+
+logger = init_logger("vllm.k3_plugin.tool_parser")
+
+
+def tool_call_id(name: str, number: int) -> str:
+    return f"functions.{name}:{number}"
+
+
+def history_call_count(request: Any) -> int:
+    """Calls already made in the conversation the request carries."""
+    try:
+        from vllm.parser.utils import count_history_tool_calls
+    except ImportError:  # a vLLM without the helper: number from 0
+        return 0
+    try:
+        return count_history_tool_calls(request)
+    except (AttributeError, TypeError):
+        return 0
+
+
+def declared_tool_names(request: Any) -> frozenset[str] | None:
+    """Names of the tools the request declares; ``None`` if it declares none."""
+    tools = getattr(request, "tools", None)
+    if not tools:
+        return None
+    names = set()
+    for tool in tools:
+        function = getattr(tool, "function", None)
+        name = getattr(function, "name", None) or getattr(tool, "name", None)
+        if isinstance(name, str):
+            names.add(name)
+    return frozenset(names)
+
+
+class ToolCallStream:
+    """One request's tool calls as deltas; shared by ``K3Parser`` and the bare API."""
+
+    __slots__ = (
+        "_declared",
+        "_first_number",
+        "_names",
+        "_reader",
+        "_warned",
+        "calls_made",
+    )
+
+    def __init__(self, request: Any) -> None:
+        self._reader = ToolCallReader()
+        self._first_number = history_call_count(request)
+        self._declared = declared_tool_names(request)
+        self._names: dict[int, str] = {}
+        self._warned = False
+        self.calls_made = False
+
+    def feed(self, markup: str) -> list[DeltaToolCall]:
+        return self._deltas(self._reader.feed(markup))
+
+    def finish(self) -> list[DeltaToolCall]:
+        return self._deltas(self._reader.finish())
+
+    def _deltas(self, events: list[ToolEvent]) -> list[DeltaToolCall]:
+        deltas: list[DeltaToolCall] = []
+        for event in events:
+            kind = type(event)
+            if kind is CallOpened:
+                self._check_declared(event.name)
+                self._names[event.index] = event.name
+                self.calls_made = True
+                deltas.append(
+                    DeltaToolCall(
+                        index=event.index,
+                        id=tool_call_id(event.name, self._first_number + event.index),
+                        type="function",
+                        function=DeltaFunctionCall(name=event.name, arguments=""),
+                    )
+                )
+            elif kind is ArgumentsDelta:
+                last = deltas[-1] if deltas else None
+                if last is not None and last.index == event.index:
+                    function = last.function
+                    function.arguments = (function.arguments or "") + event.text
+                else:
+                    deltas.append(
+                        DeltaToolCall(
+                            index=event.index,
+                            function=DeltaFunctionCall(arguments=event.text),
+                        )
+                    )
+            elif kind is Dropped:
+                log_dropped(event)
+        return deltas
+
+    def _check_declared(self, name: str) -> None:
+        if (
+            self._declared is not None
+            and name not in self._declared
+            and not (self._warned)
+        ):
+            self._warned = True
+            logger.warning(
+                "kimi_k3: the model called %r, which the request does not declare; "
+                "returning the call as written",
+                name,
+            )
+
+
+def log_dropped(event: Dropped) -> None:
+    where = "" if event.index is None else f" (call {event.index})"
+    logger.info("kimi_k3 tool calls: dropped %s%s", event.reason, where)
+
+
+def read_function_calls(markup: str, request: Any) -> list[FunctionCall]:
+    """The calls of a whole tools channel, with the same ids the stream gives."""
+    calls, dropped = read_calls(markup)
+    for event in dropped:
+        log_dropped(event)
+    if not calls:
+        return []
+    first = history_call_count(request)
+    declared = declared_tool_names(request)
+    undeclared = [
+        c.name for c in calls if declared is not None and c.name not in declared
+    ]
+    if undeclared:
+        logger.warning(
+            "kimi_k3: the model called %r, which the request does not declare; "
+            "returning the call as written",
+            undeclared[0],
+        )
+    return [
+        FunctionCall(
+            id=tool_call_id(call.name, first + call.index),
+            name=call.name,
+            arguments=call.arguments,
+        )
+        for call in calls
+    ]
+
+
+class K3ToolParser(KimiK3ToolParser):
+    """The Kimi-K3 tools channel, read by ``ToolCallReader``.
+
+    Driven bare (no ``kimi_k3`` reasoning parser in front), the text it gets is read
+    from the response channel: framing is stripped, a think channel the model opens
+    itself is content, and the tools channel becomes calls.
+    """
+
+    def __init__(self, tokenizer: Any, tools: list[Any] | None = None) -> None:
+        super().__init__(tokenizer, tools)
+        self._bare_reader: ReasoningReader | None = None
+        self._bare_calls: ToolCallStream | None = None
+
+    def extract_tool_calls(
+        self, model_output: str, request: Any
+    ) -> ExtractedToolCallInformation:
+        reader = ReasoningReader(start=Channel.RESPONSE)
+        events = reader.feed(model_output) + reader.finish(stopped=True)
+        reading = collect(events)
+        content = (reading.reasoning + reading.content) or None
+        calls = read_function_calls(reading.tool_markup, request)
+        return ExtractedToolCallInformation(
+            tools_called=bool(calls),
+            tool_calls=[
+                ToolCall(
+                    id=call.id,
+                    function=FunctionCall(name=call.name, arguments=call.arguments),
+                )
+                for call in calls
+            ],
+            content=content,
+        )
+
+    def extract_tool_calls_streaming(
+        self,
+        previous_text: str,
+        current_text: str,
+        delta_text: str,
+        previous_token_ids: Sequence[int],
+        current_token_ids: Sequence[int],
+        delta_token_ids: Sequence[int],
+        request: Any,
+    ) -> DeltaMessage | None:
+        # The bare API never says the output ended: a marker cut off at the very end
+        # stays held (it is never content either way).
+        if self._bare_reader is None:
+            self._bare_reader = ReasoningReader(start=Channel.RESPONSE)
+            self._bare_calls = ToolCallStream(request)
+        reading = collect(self._bare_reader.feed(delta_text))
+        content = reading.reasoning + reading.content
+        calls = (
+            self._bare_calls.feed(reading.tool_markup) if reading.tool_markup else []
+        )
+        if not (content or calls):
+            return None
+        return DeltaMessage(content=content or None, tool_calls=calls)
