@@ -20,7 +20,11 @@ class Reply(NamedTuple):
     reasoning: str
     content: str
     tool_calls: tuple[tuple[str, Any], ...] = ()
+    """``(name, arguments parsed)`` per call."""
     finish: str = ""
+    tool_call_ids: tuple[str, ...] = ()
+    raw_arguments: tuple[str, ...] = ()
+    """Each call's arguments text as the client received it (Messages: re-dumped)."""
 
 
 def _extra(ids: list[int], thinking: bool) -> dict[str, Any]:
@@ -30,17 +34,33 @@ def _extra(ids: list[int], thinking: bool) -> dict[str, Any]:
     return extra
 
 
-def _calls(pairs) -> tuple[tuple[str, Any], ...]:
-    return tuple((name, json.loads(args) if args else {}) for name, args in pairs)
+def _parsed(args: str) -> Any:
+    """A call's arguments as the client would read them; text that is not JSON
+    (a ``json`` block) is kept as text."""
+    if not args:
+        return {}
+    try:
+        return json.loads(args)
+    except ValueError:
+        return args
+
+
+def _reply(reasoning, content, calls, finish) -> Reply:
+    """``calls``: ``(id, name, arguments)`` in output order."""
+    return Reply(
+        "".join(reasoning),
+        "".join(content),
+        tuple((name, _parsed(args)) for _, name, args in calls),
+        finish,
+        tuple(call_id for call_id, _, _ in calls),
+        tuple(args for _, _, args in calls),
+    )
 
 
 def _joined(reasoning, content, calls_by_index, finish) -> Reply:
     """A streamed reply: pieces joined, calls in output order."""
-    return Reply(
-        "".join(reasoning),
-        "".join(content),
-        _calls(calls_by_index[i] for i in sorted(calls_by_index)),
-        finish,
+    return _reply(
+        reasoning, content, [calls_by_index[i] for i in sorted(calls_by_index)], finish
     )
 
 
@@ -63,11 +83,13 @@ def chat(url, ids, *, max_tokens, thinking=True, tools=None, stop=None) -> Reply
     )
     choice = response.choices[0]
     message = choice.message
-    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
-    return Reply(
-        getattr(message, "reasoning", None) or "",
-        message.content or "",
-        _calls(calls),
+    calls = [
+        (c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []
+    ]
+    return _reply(
+        [getattr(message, "reasoning", None) or ""],
+        [message.content or ""],
+        calls,
         choice.finish_reason,
     )
 
@@ -87,11 +109,12 @@ def chat_stream(url, ids, *, max_tokens, thinking=True, tools=None, stop=None) -
         reasoning.append(getattr(delta, "reasoning", None) or "")
         content.append(delta.content or "")
         for call in delta.tool_calls or []:
-            entry = calls.setdefault(call.index, ["", ""])
+            entry = calls.setdefault(call.index, ["", "", ""])
+            entry[0] += call.id or ""
             if call.function and call.function.name:
-                entry[0] += call.function.name
+                entry[1] += call.function.name
             if call.function and call.function.arguments:
-                entry[1] += call.function.arguments
+                entry[2] += call.function.arguments
         finish = choice.finish_reason or finish
     return _joined(reasoning, content, calls, finish)
 
@@ -127,8 +150,8 @@ def responses(url, ids, *, max_tokens, thinking=True, tools=None) -> Reply:
                 part.text for part in item.content if part.type == "output_text"
             ]
         elif item.type == "function_call":
-            calls.append((item.name, item.arguments))
-    return Reply("".join(reasoning), "".join(content), _calls(calls), response.status)
+            calls.append((item.call_id, item.name, item.arguments))
+    return _reply(reasoning, content, calls, response.status)
 
 
 def responses_stream(url, ids, *, max_tokens, thinking=True, tools=None) -> Reply:
@@ -145,7 +168,8 @@ def responses_stream(url, ids, *, max_tokens, thinking=True, tools=None) -> Repl
         elif event.type == "response.output_item.done" and (
             event.item.type == "function_call"
         ):
-            calls[event.output_index] = (event.item.name, event.item.arguments)
+            item = event.item
+            calls[event.output_index] = (item.call_id, item.name, item.arguments)
         elif event.type in ("response.completed", "response.incomplete"):
             status = event.response.status
     return _joined(reasoning, content, calls, status)
@@ -186,10 +210,8 @@ def messages(url, ids, *, max_tokens, thinking=True, tools=None, stop=None) -> R
         elif block.type == "text":
             content.append(block.text)
         elif block.type == "tool_use":
-            calls.append((block.name, json.dumps(block.input)))
-    return Reply(
-        "".join(reasoning), "".join(content), _calls(calls), response.stop_reason
-    )
+            calls.append((block.id, block.name, json.dumps(block.input)))
+    return _reply(reasoning, content, calls, response.stop_reason)
 
 
 def messages_stream(
@@ -204,7 +226,8 @@ def messages_stream(
             if event.type == "content_block_start" and (
                 event.content_block.type == "tool_use"
             ):
-                calls[event.index] = [event.content_block.name, ""]
+                block = event.content_block
+                calls[event.index] = [block.id, block.name, ""]
             elif event.type == "content_block_delta":
                 delta = event.delta
                 if delta.type == "thinking_delta":
@@ -212,7 +235,7 @@ def messages_stream(
                 elif delta.type == "text_delta":
                     content.append(delta.text)
                 elif delta.type == "input_json_delta":
-                    calls[event.index][1] += delta.partial_json
+                    calls[event.index][2] += delta.partial_json
             elif event.type == "message_delta":
                 stop_reason = event.delta.stop_reason or stop_reason
     return _joined(reasoning, content, calls, stop_reason)

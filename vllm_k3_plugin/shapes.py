@@ -20,6 +20,7 @@ from vllm_k3_plugin.vocab import (
     TOOLS_END,
     TOOLS_START,
 )
+from vllm_k3_plugin.xtml import render_tools
 
 
 class Shape(NamedTuple):
@@ -48,6 +49,47 @@ WEATHER_TOOL = {
         },
     },
 }
+# A tool whose arguments take every JSON type.
+FILE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "description": "Write a file",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string"},
+                "content": {"type": "string"},
+                "overwrite": {"type": "boolean"},
+                "mode": {"type": "integer"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+                "meta": {"type": "object"},
+                "owner": {"type": "null"},
+            },
+            "required": ["path", "content"],
+        },
+    },
+}
+TOOLS = [WEATHER_TOOL, FILE_TOOL]
+FILE_ARGUMENTS = {
+    "path": "notes/a&b.txt",
+    "content": 'line one\n  "quoted" \\ 思考\n<|close|>response (quoted)',
+    "overwrite": True,
+    "mode": 420,
+    "tags": ["x", "y"],
+    "meta": {"by": "k3", "n": [1, 2.5, None]},
+    "owner": None,
+}
+# A ``json`` block (the renderer's form for arguments it could not type): read back
+# verbatim as the arguments text.
+RAW_ARGUMENTS = '{"city":"Lyon","days":3}'
+MULTI_CALLS = render_tools(
+    [
+        ("get_weather", {"city": "Paris"}),
+        ("write_file", FILE_ARGUMENTS),
+        ("get_weather", RAW_ARGUMENTS),
+    ]
+)
 _FINAL = RESPONSE_START + "Final." + RESPONSE_END + MESSAGE_END
 
 SHAPES: dict[str, Shape] = {
@@ -105,6 +147,17 @@ SHAPES: dict[str, Shape] = {
         SKIPPED_REPLY + RESPONSE_END + TOOLS_START + WEATHER_CALL + TOOLS_END,
         True,
         "a skipped channel followed by a tools channel",
+    ),
+    "reply-then-calls": Shape(
+        "Two lookups and a file."
+        + THINK_END
+        + RESPONSE_START
+        + "On it."
+        + RESPONSE_END
+        + MULTI_CALLS
+        + MESSAGE_END,
+        True,
+        "a reply, then three calls: every argument type and a json block",
     ),
     "tools-in-think": Shape(
         "Need the weather." + TOOLS_START + WEATHER_CALL + TOOLS_END + MESSAGE_END,

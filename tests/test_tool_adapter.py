@@ -1,0 +1,281 @@
+"""The ``kimi_k3`` tool parser in-process, driven as vLLM's serving layer drives it.
+
+Outputs are encoded with the checkpoint's real tokenizer; ``parse`` (whole) and
+``parse_delta`` (one call per token) must give the same calls, ids included.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("vllm")
+
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.tool_parsers import ToolParserManager
+
+import vllm_k3_plugin
+from vllm_k3_plugin import compare, vocab
+from vllm_k3_plugin.shapes import (
+    FILE_ARGUMENTS,
+    RAW_ARGUMENTS,
+    SHAPES,
+    SKIPPED_REPLY,
+    TOOLS,
+)
+from vllm_k3_plugin.vllm_adapter.tool_parser import K3ToolParser
+from vllm_k3_plugin.xtml import render_tools
+
+WEATHER_CALL_ARGS = ("get_weather", {"city": "Paris"})
+WEATHER = ("get_weather", '{"city": "Paris"}')
+MULTI = (
+    WEATHER,
+    ("write_file", json.dumps(FILE_ARGUMENTS, ensure_ascii=False)),
+    ("get_weather", RAW_ARGUMENTS),
+)
+R = SKIPPED_REPLY
+
+# shape: (reasoning, content, calls) when the model stopped itself
+TOOL_SHAPES = {
+    "reply-then-calls": ("Two lookups and a file.", "On it.", MULTI),
+    "skipped-then-tools": (R, R, (WEATHER,)),
+    "tools-in-think": ("Need the weather.", "", (WEATHER,)),
+    "thinking-off-tools": ("", "", (WEATHER,)),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    vllm_k3_plugin.register()
+
+
+def _request(**fields) -> ChatCompletionRequest:
+    fields.setdefault("tools", TOOLS)
+    return ChatCompletionRequest(
+        model="k3-tiny",
+        messages=fields.pop("messages", [{"role": "user", "content": "hi"}]),
+        **fields,
+    )
+
+
+def _ids(hf_tokenizer, text: str, *, stop: bool = True) -> list[int]:
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
+    return [*ids, vocab.END_OF_MSG_ID] if stop else ids
+
+
+def _both(hf_tokenizer, ids, request, thinking=True):
+    cls = compare.our_parser_cls("kimi_k3")
+    whole = compare.parse_whole(cls, hf_tokenizer, ids, request, thinking=thinking)
+    streamed = compare.parse_streamed(
+        cls, hf_tokenizer, ids, request, thinking=thinking
+    )
+    return whole, streamed
+
+
+def test_registry_resolves_kimi_k3_to_our_tool_parser():
+    assert ToolParserManager.get_tool_parser("kimi_k3") is K3ToolParser
+    assert compare.our_parser_cls("kimi_k3").tool_parser_cls is K3ToolParser
+
+
+@pytest.mark.parametrize("shape", sorted(TOOL_SHAPES))
+def test_tools_channel_anywhere(hf_tokenizer, shape):
+    output, thinking, _ = SHAPES[shape]
+    whole, streamed = _both(
+        hf_tokenizer, _ids(hf_tokenizer, output), _request(), thinking
+    )
+    reasoning, content, calls = TOOL_SHAPES[shape]
+    assert (whole.reasoning, whole.content, whole.tool_calls) == (
+        reasoning,
+        content,
+        calls,
+    )
+    assert streamed == whole
+
+
+def test_ids_are_unique_and_the_same_streamed_and_not(hf_tokenizer):
+    ids = _ids(hf_tokenizer, SHAPES["reply-then-calls"].output)
+    whole, streamed = _both(hf_tokenizer, ids, _request())
+    assert whole.tool_call_ids == (
+        "functions.get_weather:0",
+        "functions.write_file:1",
+        "functions.get_weather:2",
+    )
+    assert streamed.tool_call_ids == whole.tool_call_ids
+
+
+def test_ids_continue_after_the_calls_in_the_history(hf_tokenizer):
+    history = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": f"functions.get_weather:{n}",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"},
+                }
+                for n in range(2)
+            ],
+        },
+        *(
+            {
+                "role": "tool",
+                "tool_call_id": f"functions.get_weather:{n}",
+                "content": "x",
+            }
+            for n in range(2)
+        ),
+    ]
+    ids = _ids(hf_tokenizer, SHAPES["tools-in-think"].output)
+    whole, streamed = _both(hf_tokenizer, ids, _request(messages=history))
+    assert whole.tool_call_ids == streamed.tool_call_ids == ("functions.get_weather:2",)
+
+
+def test_tool_choice_none_gives_no_calls_and_no_markup(hf_tokenizer):
+    ids = _ids(hf_tokenizer, SHAPES["reply-then-calls"].output)
+    whole, streamed = _both(hf_tokenizer, ids, _request(tool_choice="none"))
+    assert whole == streamed
+    assert whole.tool_calls == ()
+    assert (whole.reasoning, whole.content) == ("Two lookups and a file.", "On it.")
+
+
+def test_tool_choice_required_parses_the_calls(hf_tokenizer):
+    ids = _ids(hf_tokenizer, SHAPES["tools-in-think"].output)
+    whole, streamed = _both(hf_tokenizer, ids, _request(tool_choice="required"))
+    assert whole.tool_calls == streamed.tool_calls == (WEATHER,)
+
+
+def test_undeclared_tool_is_returned_and_logged(hf_tokenizer, caplog):
+    output = render_tools([("delete_everything", {"really": True})]) + vocab.MESSAGE_END
+    ids = _ids(hf_tokenizer, output)
+    # vLLM's loggers may not propagate to the root, where caplog listens.
+    logger = logging.getLogger("vllm.k3_plugin.tool_parser")
+    with caplog.at_level(logging.WARNING):
+        if not logger.propagate:
+            logger.addHandler(caplog.handler)
+        try:
+            whole, streamed = _both(hf_tokenizer, ids, _request())
+        finally:
+            logger.removeHandler(caplog.handler)
+    assert (
+        whole.tool_calls
+        == streamed.tool_calls
+        == (("delete_everything", '{"really": true}'),)
+    )
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2  # once per request: the whole one and the streamed one
+    assert all("'delete_everything'" in w and "not declare" in w for w in warnings)
+
+
+def test_invalid_json_block_is_returned_verbatim(hf_tokenizer):
+    bad = '{"city": Paris'
+    output = "x" + render_tools([("get_weather", bad)]) + vocab.MESSAGE_END
+    whole, streamed = _both(hf_tokenizer, _ids(hf_tokenizer, output), _request())
+    assert whole.tool_calls == streamed.tool_calls == (("get_weather", bad),)
+
+
+def test_call_cut_by_max_tokens(hf_tokenizer):
+    """Whole: no call, no markup. Streamed: the name and the arguments so far were
+    already sent (nothing can take them back) and the call is never completed."""
+    output = (
+        "Checking."
+        + render_tools([("get_weather", {"city": "Paris"})])[: -len(vocab.TOOLS_END)]
+    )
+    cut = output[: output.index("Paris") + 3]
+    ids = _ids(hf_tokenizer, cut, stop=False)
+    whole, streamed = _both(hf_tokenizer, ids, _request(max_tokens=len(ids)))
+    assert (whole.reasoning, whole.content, whole.tool_calls) == ("Checking.", "", ())
+    assert (streamed.reasoning, streamed.content) == ("Checking.", "")
+    assert streamed.tool_calls == (("get_weather", '{"city": "Par'),)
+
+
+@pytest.mark.parametrize("stop", [True, False], ids=["stopped", "cut"])
+def test_reply_before_a_cut_call_keeps_its_content(hf_tokenizer, stop):
+    output = (
+        "T." + vocab.THINK_END + vocab.RESPONSE_START + "Sure." + vocab.RESPONSE_END
+    )
+    output += vocab.TOOLS_START + '<|open|>call tool="get_weather"<|sep|>'
+    whole, streamed = _both(
+        hf_tokenizer, _ids(hf_tokenizer, output, stop=stop), _request()
+    )
+    assert (whole.content, whole.tool_calls) == ("Sure.", ())
+    assert streamed.content == "Sure."
+    assert streamed.tool_calls == (("get_weather", ""),)
+
+
+def test_no_tool_parser_keeps_the_channel_as_content(hf_tokenizer):
+    ids = _ids(hf_tokenizer, SHAPES["tools-in-think"].output)
+    cls = compare.our_parser_cls(None)
+    request = _request()
+    whole = compare.parse_whole(cls, hf_tokenizer, ids, request)
+    assert whole.tool_calls == ()
+    assert vocab.TOOLS_START in whole.content
+
+
+PIECES = [
+    vocab.TOOLS_START,
+    vocab.TOOLS_END,
+    vocab.CALL_END,
+    vocab.ARGUMENT_END,
+    vocab.MESSAGE_END,
+    vocab.THINK_END,
+    vocab.RESPONSE_START,
+    vocab.RESPONSE_END,
+    '<|open|>call tool="get_weather"<|sep|>',
+    '<|open|>argument key="city" type="string"<|sep|>',
+    '<|open|>argument key="n" type="number"<|sep|>',
+    "Paris",
+    " 12",
+    '"',
+    "思",
+    "\n",
+]
+
+
+@settings(max_examples=60)
+@given(st.lists(st.sampled_from(PIECES), max_size=20).map("".join), st.booleans())
+def test_parse_equals_parse_delta_on_any_output(hf_tokenizer, output, stop):
+    ids = _ids(hf_tokenizer, output, stop=stop)
+    if not ids:
+        return
+    whole, streamed = _both(hf_tokenizer, ids, _request(max_tokens=len(ids) + stop))
+    assert (streamed.reasoning, streamed.content) == (whole.reasoning, whole.content)
+    assert streamed.tool_call_ids[: len(whole.tool_call_ids)] == whole.tool_call_ids
+    # Complete calls agree byte for byte; only a call cut off at the end differs.
+    assert streamed.tool_calls[: len(whole.tool_calls)] == whole.tool_calls
+    assert len(streamed.tool_calls) - len(whole.tool_calls) in (0, 1)
+    for text in (whole.content, whole.reasoning):
+        assert vocab.TOOLS_START not in text and vocab.CALL_END not in text
+
+
+def test_bare_tool_parser_reads_content_and_calls(hf_tokenizer):
+    request = _request()
+    output = "Sure." + vocab.RESPONSE_END + render_tools([WEATHER_CALL_ARGS]) + "\n"
+    whole = K3ToolParser(hf_tokenizer, request.tools).extract_tool_calls(
+        output, request
+    )
+    assert whole.tools_called
+    assert whole.content == "Sure.\n"
+    assert [
+        (c.id, c.function.name, c.function.arguments) for c in whole.tool_calls
+    ] == [("functions.get_weather:0", "get_weather", '{"city": "Paris"}')]
+    parser = K3ToolParser(hf_tokenizer, request.tools)
+    content, names, arguments = "", "", ""
+    for char in output:
+        delta = parser.extract_tool_calls_streaming("", "", char, (), (), (), request)
+        if delta is None:
+            continue
+        content += delta.content or ""
+        for call in delta.tool_calls:
+            names += call.function.name or ""
+            arguments += call.function.arguments or ""
+    assert (content, names, arguments) == (
+        "Sure.\n",
+        "get_weather",
+        '{"city": "Paris"}',
+    )

@@ -1,0 +1,494 @@
+"""ToolCallReader: the tools channel as calls, whole and streamed (rule 8)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_k3_plugin import vocab
+from vllm_k3_plugin.tool_reader import (
+    MAX_TAG_CHARS,
+    ArgumentsDelta,
+    CallClosed,
+    CallOpened,
+    Dropped,
+    ToolCall,
+    ToolCallReader,
+    collect_calls,
+    read_calls,
+    typed_value_json,
+)
+from vllm_k3_plugin.xtml import (
+    escape_attribute,
+    parse_tag,
+    render_call,
+    render_tools,
+    unescape_attribute,
+)
+
+OPEN, CLOSE, SEP = vocab.OPEN, vocab.CLOSE, vocab.SEP
+EVERY_TYPE = {
+    "text": 'He said "hi"\n\tand\\left <tag> 思考 😀',
+    "empty": "",
+    "int": 42,
+    "negative": -7,
+    "float": 2.5,
+    "yes": True,
+    "no": False,
+    "nothing": None,
+    "object": {"a": [1, {"b": None}], "c": "d"},
+    "array": [1, "two", 3.0, False, None, []],
+    "empty_object": {},
+}
+
+
+def _arg(key: str, type_: str | None, value: str) -> str:
+    attrs = f'key="{key}"' + (f' type="{type_}"' if type_ else "")
+    return f"{OPEN}argument {attrs}{SEP}{value}{vocab.ARGUMENT_END}"
+
+
+def _call(name: str | None, body: str, index: int = 1, end: str = vocab.CALL_END):
+    attrs = (f'tool="{name}" ' if name is not None else "") + f'index="{index}"'
+    return f"{OPEN}call {attrs}{SEP}{body}{end}"
+
+
+def _tools(*calls: str) -> str:
+    return vocab.TOOLS_START + "".join(calls) + vocab.TOOLS_END
+
+
+def _streamed(chunks: list[str]) -> list:
+    reader = ToolCallReader()
+    events = []
+    for chunk in chunks:
+        events += reader.feed(chunk)
+    return events + reader.finish()
+
+
+def _args_of(markup: str) -> list[tuple[str, object]]:
+    calls, _ = read_calls(markup)
+    return [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+# -- attributes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw", ["plain", 'q"uote', "a&b", "&quot;", "&amp;quot;", '"&"', ""]
+)
+def test_attribute_escaping_round_trips(raw):
+    assert unescape_attribute(escape_attribute(raw)) == raw
+
+
+def test_attribute_unescape_order_is_quot_then_amp():
+    # "&amp;quot;" is an escaped "&quot;" (the literal text), not a quote.
+    assert unescape_attribute("&amp;quot;") == "&quot;"
+    assert unescape_attribute("a&quot;b&amp;c") == 'a"b&c'
+
+
+def test_parse_tag_reads_name_and_attributes():
+    assert parse_tag('call tool="f&amp;g" index="2"') == (
+        "call",
+        {"tool": "f&g", "index": "2"},
+    )
+    assert parse_tag('argument\nkey=\'x\' junk key="k" key="second"') == (
+        "argument",
+        {"key": "k"},
+    )
+    assert parse_tag("") == ("", {})
+
+
+# -- table: every argument type -----------------------------------------------------
+
+
+def test_every_argument_type_reads_back_exactly():
+    markup = render_tools([("do", EVERY_TYPE)])
+    (call,), dropped = read_calls(markup)
+    assert dropped == []
+    assert call.name == "do"
+    assert json.loads(call.arguments) == EVERY_TYPE
+    # The layout of json.dumps(..., ensure_ascii=False): what vLLM's parsers return.
+    assert call.arguments == json.dumps(EVERY_TYPE, ensure_ascii=False)
+
+
+def test_multi_call_output_with_every_type():
+    calls = [
+        ("first", {"city": "Paris"}),
+        ("second", EVERY_TYPE),
+        ("third", {}),
+        ("fourth", {"n": 1, "flag": True}),
+    ]
+    assert _args_of(render_tools(calls)) == calls
+    got, _ = read_calls(render_tools(calls))
+    assert [call.index for call in got] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("type_", "raw", "expected"),
+    [
+        ("number", " 12 ", 12),
+        ("number", "1e3", 1000.0),
+        ("boolean", "true", True),
+        ("null", "null", None),
+        ("object", '{"a": {"b": [1]}}', {"a": {"b": [1]}}),
+        ("array", "[]", []),
+        # Not valid JSON: the raw text, as a string.
+        ("number", "twelve", "twelve"),
+        ("object", '{"a": 1', '{"a": 1'),
+        ("number", "NaN", "NaN"),
+        ("number", "Infinity", "Infinity"),
+        ("array", "[" * 100_000, "[" * 100_000),
+        # A type the format does not name is still JSON, with the same fallback.
+        ("integer", "5", 5),
+        ("weird", "x y", "x y"),
+    ],
+)
+def test_typed_values_are_json_with_raw_string_fallback(type_, raw, expected):
+    markup = _tools(_call("f", _arg("v", type_, raw)))
+    assert _args_of(markup) == [("f", {"v": expected})]
+
+
+def test_string_values_are_raw_not_unescaped():
+    raw = '&amp; &quot; \\n \\u0041 {"json": 1}'
+    assert _args_of(_tools(_call("f", _arg("s", "string", raw)))) == [("f", {"s": raw})]
+
+
+def test_argument_without_type_is_a_string():
+    assert _args_of(_tools(_call("f", _arg("s", None, "12")))) == [("f", {"s": "12"})]
+
+
+def test_json_block_is_the_arguments_text():
+    bad = '{"path": "a.txt", "content": unquoted'
+    markup = _tools(render_call("write", bad, 1))
+    (call,), _ = read_calls(markup)
+    assert call.arguments == bad
+    good = '{"a":1,  "b":[2]}'
+    (call,), _ = read_calls(_tools(render_call("w", good, 1)))
+    assert call.arguments == good
+
+
+def test_call_without_arguments_has_an_empty_object():
+    for body in ("", "\n  ", f'{OPEN}json type="object"{SEP}{vocab.JSON_END}'):
+        (call,), _ = read_calls(_tools(_call("ping", body)))
+        assert call.arguments == "{}"
+
+
+def test_attribute_values_are_unescaped():
+    markup = _tools(
+        render_call('we"ird&name', {'k"e&y': 1}, 1),
+    )
+    assert _args_of(markup) == [('we"ird&name', {'k"e&y': 1})]
+
+
+def test_repeated_key_is_written_again_and_the_last_wins():
+    markup = _tools(_call("f", _arg("a", "number", "1") + _arg("a", "number", "2")))
+    (call,), _ = read_calls(markup)
+    assert call.arguments == '{"a": 1, "a": 2}'
+    assert json.loads(call.arguments) == {"a": 2}
+
+
+# -- table: lenient and dropped markup ----------------------------------------------
+
+
+def test_call_without_a_name_is_dropped_and_reported():
+    markup = _tools(
+        _call(None, _arg("x", "string", "lost")),
+        _call("", _arg("x", "string", "lost")),
+        _call("kept", _arg("x", "string", "ok"), index=3),
+    )
+    calls, dropped = read_calls(markup)
+    assert [(c.index, c.name) for c in calls] == [(0, "kept")]
+    assert [d.reason for d in dropped] == ["a call without a name"] * 2
+
+
+def test_call_closer_without_separator_is_read():
+    markup = _tools(
+        _call("a", _arg("x", "number", "1"), end=vocab.CALL_END_UNSEPARATED),
+        _call("b", "", index=2, end=vocab.CALL_END_UNSEPARATED + "\n"),
+    )
+    assert _args_of(markup) == [("a", {"x": 1}), ("b", {})]
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [vocab.TOOLS_END, vocab.MESSAGE_END, _call("next", "")],
+    ids=["tools-closer", "message-closer", "next-call"],
+)
+def test_an_enclosing_closer_or_the_next_call_closes_an_open_call(ending):
+    markup = vocab.TOOLS_START + f'{OPEN}call tool="a"{SEP}' + _arg("x", None, "v")
+    calls, _ = read_calls(markup + ending)
+    assert (calls[0].name, json.loads(calls[0].arguments)) == ("a", {"x": "v"})
+
+
+def test_value_missing_its_closer_ends_at_the_call_closer():
+    markup = _tools(
+        f'{OPEN}call tool="a"{SEP}{OPEN}argument key="x"{SEP}v{vocab.CALL_END}'
+    )
+    assert _args_of(markup) == [("a", {"x": "v"})]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        f'{OPEN}call tool="evil"{SEP}',
+        f"{OPEN}{CLOSE}{SEP}",
+        vocab.TOOLS_START,
+        vocab.CALL_END_UNSEPARATED + "ing",
+        vocab.JSON_END,
+        f'{OPEN}argument key="y"{SEP}',
+        "<|open",
+        "<|close|",
+        "|>",
+    ],
+)
+def test_markers_inside_a_string_value_are_text(value):
+    markup = _tools(_call("f", _arg("s", "string", f"a{value}b")))
+    assert _args_of(markup) == [("f", {"s": f"a{value}b"})]
+
+
+def test_argument_without_key_and_mixed_forms_are_dropped():
+    json_block = f'{OPEN}json type="object"{SEP}{{"z": 1}}{vocab.JSON_END}'
+    markup = _tools(
+        _call("f", f'{OPEN}argument type="string"{SEP}lost{vocab.ARGUMENT_END}'),
+        _call("g", _arg("a", "number", "1") + json_block, index=2),
+        _call("h", json_block + _arg("a", "number", "1"), index=3),
+    )
+    calls, dropped = read_calls(markup)
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("f", "{}"),
+        ("g", '{"a": 1}'),
+        ("h", '{"z": 1}'),
+    ]
+    assert [d.reason for d in dropped] == [
+        "an argument without a key",
+        "a json block after other arguments",
+        "an argument after a json block",
+    ]
+
+
+def test_unknown_elements_and_stray_text_are_framing():
+    markup = _tools(
+        f'junk {OPEN}note x="1"{SEP}ignored{CLOSE}note{SEP}',
+        _call("f", f" text {OPEN}hint{SEP}h{CLOSE}hint{SEP}" + _arg("a", None, "1")),
+        f"{vocab.ARGUMENT_END}{SEP}{CLOSE}",
+    )
+    assert _args_of(markup) == [("f", {"a": "1"})]
+
+
+@pytest.mark.parametrize(
+    "cut_at",
+    [
+        f'{OPEN}call tool="f" ind',
+        f'{OPEN}call tool="f"{SEP}',
+        f'{OPEN}call tool="f"{SEP}{OPEN}argument key="a"{SEP}half a val',
+        f'{OPEN}call tool="f"{SEP}{OPEN}argument key="a"{SEP}v{CLOSE}argu',
+        f'{OPEN}call tool="f"{SEP}{OPEN}argument key="a"{SEP}v{vocab.ARGUMENT_END}',
+        f'{OPEN}call tool="f"{SEP}{OPEN}json type="object"{SEP}{{"a":',
+    ],
+)
+def test_a_call_cut_off_yields_no_call(cut_at):
+    markup = vocab.TOOLS_START + _call("done", "") + cut_at
+    calls, dropped = read_calls(markup)
+    assert [c.name for c in calls] == ["done"]
+    opened = SEP in cut_at
+    assert [d.reason for d in dropped] == (
+        ["cut off before its closer"] if opened else []
+    )
+
+
+def test_opener_interrupted_by_a_marker_is_dropped():
+    markup = _tools(f'{OPEN}call tool="a"{OPEN}call tool="b"{SEP}{vocab.CALL_END}')
+    calls, dropped = read_calls(markup)
+    assert [c.name for c in calls] == ["b"]
+    assert [d.reason for d in dropped] == ["an opener without its separator"]
+
+
+def test_overlong_opener_is_dropped():
+    markup = _tools(_call("x" * (MAX_TAG_CHARS + 1), ""), _call("ok", "", index=2))
+    calls, dropped = read_calls(markup)
+    assert [c.name for c in calls] == ["ok"]
+    assert "longer than" in dropped[0].reason
+
+
+def test_second_tools_channel_continues_the_numbering():
+    markup = _tools(_call("a", "")) + "words" + _tools(_call("b", ""))
+    calls, _ = read_calls(markup)
+    assert [(c.index, c.name) for c in calls] == [(0, "a"), (1, "b")]
+
+
+def test_duplicate_index_attributes_do_not_matter():
+    markup = _tools(_call("a", "", index=1), _call("b", "", index=1))
+    calls, _ = read_calls(markup)
+    assert [(c.index, c.name) for c in calls] == [(0, "a"), (1, "b")]
+
+
+def test_typed_value_json_rejects_non_json_constants():
+    assert typed_value_json("-Infinity") == '"-Infinity"'
+    assert typed_value_json("[1, 2]") == "[1, 2]"
+
+
+# -- streaming ----------------------------------------------------------------------
+
+
+def test_name_goes_out_when_the_opener_completes():
+    reader = ToolCallReader()
+    assert reader.feed(vocab.TOOLS_START + f'{OPEN}call tool="write" index="1"') == []
+    assert reader.feed(SEP) == [CallOpened(0, "write")]
+
+
+def test_long_string_value_streams_in_pieces_as_it_arrives():
+    value = ('line "quoted" \\ 思\n' * 6000)[:100_000]
+    head = vocab.TOOLS_START + f'{OPEN}call tool="write"{SEP}'
+    head += f'{OPEN}argument key="content" type="string"{SEP}'
+    reader = ToolCallReader()
+    events = reader.feed(head)
+    assert events == [CallOpened(0, "write"), ArgumentsDelta(0, '{"content": "')]
+    pieces = []
+    for start in range(0, len(value), 1000):
+        step = reader.feed(value[start : start + 1000])
+        # Each piece goes out in the step it arrives in, JSON-escaped.
+        assert all(type(event) is ArgumentsDelta for event in step)
+        pieces += [event.text for event in step]
+    assert len(pieces) >= 99
+    tail = reader.feed(vocab.ARGUMENT_END + vocab.CALL_END) + reader.finish()
+    assert tail == [ArgumentsDelta(0, '"}'), CallClosed(0)]
+    streamed = '{"content": "' + "".join(pieces) + '"}'
+    assert json.loads(streamed) == {"content": value}
+    (whole,), _ = read_calls(head + value + vocab.ARGUMENT_END + vocab.CALL_END)
+    assert streamed == whole.arguments
+
+
+def test_every_chunking_gives_the_same_events_joined(chunk_all):
+    markup = render_tools([("a", EVERY_TYPE), ("b", "{bad"), ("c", {})])
+    whole, _ = read_calls(markup)
+    for name, chunks in chunk_all(markup).items():
+        assert collect_calls(_streamed(chunks)) == whole, name
+
+
+# A tools channel built from every marker the reader knows, values and noise.
+PIECES = [
+    vocab.TOOLS_START,
+    vocab.TOOLS_END,
+    vocab.CALL_END,
+    vocab.CALL_END_UNSEPARATED,
+    vocab.ARGUMENT_END,
+    vocab.JSON_END,
+    vocab.MESSAGE_END,
+    OPEN,
+    CLOSE,
+    SEP,
+    'call tool="f"',
+    'call tool="g&quot;" index="2"',
+    "call",
+    'argument key="k" type="string"',
+    'argument key="n" type="number"',
+    'argument key="o" type="object"',
+    'argument type="array"',
+    'json type="object"',
+    "1",
+    '{"a": [1',
+    "]}",
+    "text ",
+    '"',
+    "\\",
+    "思",
+    "\n",
+    "<|",
+    "|>",
+]
+MARKUP = st.lists(st.sampled_from(PIECES), max_size=40).map("".join)
+
+
+def _cuts(text: str, data) -> list[str]:
+    cuts = sorted(
+        data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=12))
+    )
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@given(MARKUP, st.data())
+def test_any_markup_reads_the_same_at_any_chunking(markup, data):
+    whole_events = _streamed([markup])
+    chunked_events = _streamed(_cuts(markup, data))
+    assert collect_calls(chunked_events) == collect_calls(whole_events)
+
+    # The joined deltas of every call, closed or cut, agree too.
+    def joined(events):
+        out: dict[int, str] = {}
+        for event in events:
+            if type(event) is ArgumentsDelta:
+                out[event.index] = out.get(event.index, "") + event.text
+        return out
+
+    assert joined(chunked_events) == joined(whole_events)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.text(min_size=1, max_size=8),
+            st.dictionaries(
+                st.text(max_size=6),
+                st.recursive(
+                    st.none()
+                    | st.booleans()
+                    | st.integers()
+                    | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(),
+                    lambda inner: (
+                        st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+                    ),
+                    max_leaves=8,
+                ),
+                max_size=5,
+            ),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.data(),
+)
+def test_rendered_calls_read_back_equal_at_any_chunking(calls, data):
+    markup = render_tools(calls)
+    for chunks in ([markup], _cuts(markup, data)):
+        got = collect_calls(_streamed(chunks))
+        assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+# -- bad input ----------------------------------------------------------------------
+
+
+def test_ten_thousand_calls():
+    markup = render_tools([(f"f{i}", {"i": i}) for i in range(10_000)])
+    calls, dropped = read_calls(markup)
+    assert len(calls) == 10_000 and dropped == []
+    assert calls[-1] == ToolCall(9999, "f9999", '{"i": 9999}')
+
+
+@given(st.text(max_size=200))
+def test_arbitrary_text_never_raises(text):
+    calls, _ = read_calls(vocab.TOOLS_START + text)
+    for call in calls:
+        assert isinstance(call.arguments, str)
+
+
+@given(st.lists(st.sampled_from([*PIECES, "&amp;", "=", "'", " "]), max_size=60))
+def test_garbage_attributes_never_raise(pieces):
+    read_calls(vocab.TOOLS_START + "".join(pieces))
+
+
+def test_feed_after_finish_is_an_error():
+    reader = ToolCallReader()
+    reader.finish()
+    assert reader.finish() == []
+    with pytest.raises(RuntimeError):
+        reader.feed("x")
+
+
+def test_dropped_events_name_their_call():
+    markup = vocab.TOOLS_START + _call("f", f"{OPEN}argument{SEP}x{vocab.ARGUMENT_END}")
+    _, dropped = read_calls(markup)
+    assert dropped == [Dropped(0, "an argument without a key")]
