@@ -241,11 +241,18 @@ def test_value_missing_its_closer_ends_at_the_call_closer():
         "<|open",
         "<|close|",
         "|>",
+        vocab.END_OF_MSG,
     ],
 )
 def test_markers_inside_a_string_value_are_text(value):
     markup = _tools(_call("f", _arg("s", "string", f"a{value}b")))
     assert _args_of(markup) == [("f", {"s": f"a{value}b"})]
+
+
+def test_stop_token_spelling_inside_a_typed_value_is_text():
+    value = json.dumps({vocab.END_OF_MSG: [vocab.OPEN]})
+    markup = _tools(_call("f", _arg("o", "object", value)))
+    assert _args_of(markup) == [("f", {"o": json.loads(value)})]
 
 
 def test_argument_without_key_and_mixed_forms_are_dropped():

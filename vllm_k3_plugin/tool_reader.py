@@ -100,7 +100,9 @@ class _Args(enum.Enum):
 # Closers of enclosing elements: they end an open value and call.
 _BOUNDARIES = frozenset({vocab.TOOLS_END, vocab.MESSAGE_END, vocab.END_OF_MSG})
 _CALL_ENDS = frozenset({vocab.CALL_END, vocab.CALL_END_UNSEPARATED})
-_VALUE_BREAKS = _BOUNDARIES | {vocab.CALL_END}
+# The stop token never reaches the text as a token (vLLM drops it), so inside a value
+# its spelling is the value's own text.
+_VALUE_BREAKS = frozenset({vocab.TOOLS_END, vocab.MESSAGE_END, vocab.CALL_END})
 _ELEMENT_ENDS = {vocab.ARGUMENT: vocab.ARGUMENT_END, vocab.JSON_BLOCK: vocab.JSON_END}
 
 

@@ -9,6 +9,7 @@ template that ends the prompt with the K3 generation prefix.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from importlib import resources
 from pathlib import Path
@@ -24,12 +25,17 @@ def chat_template() -> str:
 
 
 def write_tiny_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
-    """Write the checkpoint into ``out_dir`` (reused if already complete)."""
+    """Write the checkpoint into ``out_dir`` (reused if complete and current)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
-    if (out_dir / MARKER_FILE).exists():
+    template = chat_template()
+    marker = json.dumps(
+        {"seed": seed, "template": hashlib.sha256(template.encode()).hexdigest()}
+    )
+    marker_path = out_dir / MARKER_FILE
+    if marker_path.exists() and marker_path.read_text() == marker:
         return out_dir
     config = LlamaConfig(
         vocab_size=vocab.VOCAB_SIZE,
@@ -49,12 +55,12 @@ def write_tiny_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out_dir, safe_serialization=True)
-    write_hf_tokenizer(out_dir, chat_template())
+    write_hf_tokenizer(out_dir, template)
     generation = {
         "bos_token_id": vocab.BOS_ID,
         "eos_token_id": vocab.END_OF_MSG_ID,
         "pad_token_id": vocab.PAD_ID,
     }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    (out_dir / MARKER_FILE).write_text(json.dumps({"seed": seed}))
+    marker_path.write_text(marker)
     return out_dir

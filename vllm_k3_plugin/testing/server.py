@@ -48,6 +48,10 @@ def serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "kimi_k3",
+        # What a K3 checkpoint's architecture selects: vLLM's K3 renderer, which
+        # matches tool results to the calls they answer.
+        "--tokenizer-mode",
+        "kimi_k3",
         "--logits-processors",
         FORCE_PROCESSOR,
         *extra,
