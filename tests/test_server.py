@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 
 from tests.endpoints import ENDPOINTS, chat, chat_stream
+from tests.test_server_tools import TOOL_SHAPES
 from vllm_k3_plugin import vocab
-from vllm_k3_plugin.shapes import SHAPES, SKIPPED_REPLY, WEATHER_TOOL
+from vllm_k3_plugin.shapes import SHAPES, SKIPPED_REPLY
 from vllm_k3_plugin.vocab import CLOSE, RESPONSE_END
 
 pytestmark = pytest.mark.server
 
-WEATHER_CALL = ("get_weather", {"city": "Paris"})
 R = SKIPPED_REPLY
 
 # shape: ((reasoning, content) if stopped, (reasoning, content) if cut by max_tokens)
@@ -35,12 +35,6 @@ EXPECTED = {
     "thinking-off": (("", "Hi there."),) * 2,
     "thinking-off-self-opened-think": (("hmm", "Ok."),) * 2,
     "thinking-off-declined-think": (("", "Ok."),) * 2,
-}
-# shape: (reasoning, content), with the weather call made; the tool is declared
-TOOL_SHAPES = {
-    "skipped-then-tools": (R, R),
-    "tools-in-think": ("Need the weather.", ""),
-    "thinking-off-tools": ("", ""),
 }
 
 
@@ -83,19 +77,6 @@ def test_stop_string_counts_as_a_stop(k3_server, hf_tokenizer, read):
     ids = hf_tokenizer.encode(output, add_special_tokens=False)
     reply = read(k3_server, ids, max_tokens=len(ids) + 8, stop=["STOPHERE"])
     assert (reply.reasoning, reply.content) == (R, R)
-
-
-@pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
-@pytest.mark.parametrize("shape", sorted(TOOL_SHAPES))
-def test_tools_channel(k3_server, hf_tokenizer, endpoint, shape):
-    """The tools channel after a skipped channel, inside think, at offset 0."""
-    output, thinking, _ = SHAPES[shape]
-    ids, max_tokens = _request(hf_tokenizer, output, "stop")
-    reply = ENDPOINTS[endpoint](
-        k3_server, ids, max_tokens=max_tokens, thinking=thinking, tools=[WEATHER_TOOL]
-    )
-    assert (reply.reasoning, reply.content) == TOOL_SHAPES[shape]
-    assert reply.tool_calls == (WEATHER_CALL,)
 
 
 def test_our_reasoning_parser_is_registered_in_the_engine_core(

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from vllm_k3_plugin import compare, vocab
-from vllm_k3_plugin.shapes import SHAPES, WEATHER_TOOL
+from vllm_k3_plugin.shapes import SHAPES, TOOLS
 
 ENDINGS = ("stop", "cut")
 
@@ -33,7 +33,7 @@ def read_shape(parser_cls: type, tokenizer: Any, name: str, ending: str):
     if ending == "stop":
         ids.append(vocab.END_OF_MSG_ID)
     request = compare.chat_request(
-        len(ids) + 16 if ending == "stop" else len(ids), tools=[WEATHER_TOOL]
+        len(ids) + 16 if ending == "stop" else len(ids), tools=TOOLS
     )
     whole = compare.parse_whole(parser_cls, tokenizer, ids, request, thinking=thinking)
     streamed = compare.parse_streamed(
