@@ -13,32 +13,21 @@ import openai
 import pytest
 
 from tests.endpoints import ENDPOINTS, MODEL, PROMPT, chat, chat_stream
+from tests.expected_tools import TOOL_SHAPES as EXPECTED
+from tests.expected_tools import WEATHER as WEATHER_TEXT
+from tests.expected_tools import parsed
 from vllm_k3_plugin import vocab
-from vllm_k3_plugin.shapes import (
-    FILE_ARGUMENTS,
-    RAW_ARGUMENTS,
-    SHAPES,
-    SKIPPED_REPLY,
-    TOOLS,
-)
+from vllm_k3_plugin.shapes import FILE_ARGUMENTS, RAW_ARGUMENTS, SHAPES, TOOLS
 from vllm_k3_plugin.xtml import render_call, render_tools
 
 pytestmark = pytest.mark.server
 
-WEATHER = ("get_weather", {"city": "Paris"})
-MULTI = (
-    WEATHER,
-    ("write_file", FILE_ARGUMENTS),
-    ("get_weather", json.loads(RAW_ARGUMENTS)),
-)
-R = SKIPPED_REPLY
-# shape: (reasoning, content, calls)
 TOOL_SHAPES = {
-    "reply-then-calls": ("Two lookups and a file.", "On it.", MULTI),
-    "skipped-then-tools": (R, R, (WEATHER,)),
-    "tools-in-think": ("Need the weather.", "", (WEATHER,)),
-    "thinking-off-tools": ("", "", (WEATHER,)),
+    shape: (reasoning, content, parsed(calls))
+    for shape, (reasoning, content, calls) in EXPECTED.items()
 }
+MULTI = TOOL_SHAPES["reply-then-calls"][2]
+WEATHER = parsed([WEATHER_TEXT])[0]
 TOOLS_CALLED = {"chat": "tool_calls", "responses": "completed", "messages": "tool_use"}
 
 

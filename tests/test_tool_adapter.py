@@ -6,7 +6,6 @@ Outputs are encoded with the checkpoint's real tokenizer; ``parse`` (whole) and
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -19,33 +18,13 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.tool_parsers import ToolParserManager
 
 import vllm_k3_plugin
+from tests.expected_tools import TOOL_SHAPES, WEATHER
 from vllm_k3_plugin import compare, vocab
-from vllm_k3_plugin.shapes import (
-    FILE_ARGUMENTS,
-    RAW_ARGUMENTS,
-    SHAPES,
-    SKIPPED_REPLY,
-    TOOLS,
-)
+from vllm_k3_plugin.shapes import SHAPES, TOOLS
 from vllm_k3_plugin.vllm_adapter.tool_parser import K3ToolParser
 from vllm_k3_plugin.xtml import render_tools
 
 WEATHER_CALL_ARGS = ("get_weather", {"city": "Paris"})
-WEATHER = ("get_weather", '{"city": "Paris"}')
-MULTI = (
-    WEATHER,
-    ("write_file", json.dumps(FILE_ARGUMENTS, ensure_ascii=False)),
-    ("get_weather", RAW_ARGUMENTS),
-)
-R = SKIPPED_REPLY
-
-# shape: (reasoning, content, calls) when the model stopped itself
-TOOL_SHAPES = {
-    "reply-then-calls": ("Two lookups and a file.", "On it.", MULTI),
-    "skipped-then-tools": (R, R, (WEATHER,)),
-    "tools-in-think": ("Need the weather.", "", (WEATHER,)),
-    "thinking-off-tools": ("", "", (WEATHER,)),
-}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,0 +1,26 @@
+"""What each tool shape of ``vllm_k3_plugin.shapes`` reads as when the model stopped
+itself: ``(reasoning, content, calls)``, each call ``(name, arguments text)``."""
+
+from __future__ import annotations
+
+import json
+
+from vllm_k3_plugin.shapes import FILE_ARGUMENTS, RAW_ARGUMENTS, SKIPPED_REPLY
+
+WEATHER = ("get_weather", '{"city": "Paris"}')
+MULTI = (
+    WEATHER,
+    ("write_file", json.dumps(FILE_ARGUMENTS, ensure_ascii=False)),
+    ("get_weather", RAW_ARGUMENTS),
+)
+TOOL_SHAPES = {
+    "reply-then-calls": ("Two lookups and a file.", "On it.", MULTI),
+    "skipped-then-tools": (SKIPPED_REPLY, SKIPPED_REPLY, (WEATHER,)),
+    "tools-in-think": ("Need the weather.", "", (WEATHER,)),
+    "thinking-off-tools": ("", "", (WEATHER,)),
+}
+
+
+def parsed(calls) -> tuple:
+    """``calls`` as a client reads them: arguments parsed."""
+    return tuple((name, json.loads(arguments)) for name, arguments in calls)
