@@ -266,7 +266,9 @@ class K3Parser(DelegatingParser):
         reasoning = reading.reasoning if _reasoning_wanted(request) else ""
         if not (reasoning or content or tool_calls):
             return None
-        return DeltaMessage(
+        # ``model_construct``: the fields are built here and valid; pydantic validation
+        # of every per-token object would cost more than reading the token.
+        return DeltaMessage.model_construct(
             reasoning=reasoning or None, content=content or None, tool_calls=tool_calls
         )
 

@@ -135,6 +135,6 @@ class K3ReasoningParser(ReasoningParser):
         reading = collect(self._reader.feed(delta_text), tools_as_content=True)
         if not reading.reasoning and not reading.content:
             return None
-        return DeltaMessage(
+        return DeltaMessage.model_construct(
             reasoning=reading.reasoning or None, content=reading.content or None
         )

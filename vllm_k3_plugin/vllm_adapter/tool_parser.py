@@ -105,6 +105,8 @@ class ToolCallStream:
         return self._deltas(self._reader.finish())
 
     def _deltas(self, events: list[ToolEvent]) -> list[DeltaToolCall]:
+        # Built with ``model_construct``: valid by construction, and this runs for
+        # every token of a streamed argument.
         deltas: list[DeltaToolCall] = []
         for event in events:
             kind = type(event)
@@ -113,11 +115,13 @@ class ToolCallStream:
                 self._names[event.index] = event.name
                 self.calls_made = True
                 deltas.append(
-                    DeltaToolCall(
+                    DeltaToolCall.model_construct(
                         index=event.index,
                         id=tool_call_id(event.name, self._first_number + event.index),
                         type="function",
-                        function=DeltaFunctionCall(name=event.name, arguments=""),
+                        function=DeltaFunctionCall.model_construct(
+                            name=event.name, arguments=""
+                        ),
                     )
                 )
             elif kind is ArgumentsDelta:
@@ -127,9 +131,11 @@ class ToolCallStream:
                     function.arguments = (function.arguments or "") + event.text
                 else:
                     deltas.append(
-                        DeltaToolCall(
+                        DeltaToolCall.model_construct(
                             index=event.index,
-                            function=DeltaFunctionCall(arguments=event.text),
+                            function=DeltaFunctionCall.model_construct(
+                                arguments=event.text
+                            ),
                         )
                     )
             elif kind is Dropped:
@@ -238,4 +244,4 @@ class K3ToolParser(KimiK3ToolParser):
         )
         if not (content or calls):
             return None
-        return DeltaMessage(content=content or None, tool_calls=calls)
+        return DeltaMessage.model_construct(content=content or None, tool_calls=calls)
