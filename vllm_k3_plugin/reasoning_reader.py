@@ -10,14 +10,13 @@ Invariants:
   skipped channel is decided); nothing rescans earlier text.
 - Framing never reaches content; inside the think channel it is dropped, and only a
   quoted answer closer (one the channel goes on past) reaches reasoning.
-- The think channel is kept once (``io.StringIO``) while it is open, only because the
+- The think channel is kept once (``_KeptText``) while it is open, only because the
   replay or the hold-back policy needs it, and dropped when the channel is decided.
 """
 
 from __future__ import annotations
 
 import enum
-import io
 from typing import NamedTuple
 
 from vllm_k3_plugin import vocab
@@ -100,9 +99,7 @@ class ReasoningReader:
         self._channel = start
         self._policy = policy
         self._at_offset_zero = True
-        self._kept: io.StringIO | None = (
-            io.StringIO() if start is Channel.THINK else None
-        )
+        self._kept: _KeptText | None = _KeptText() if start is Channel.THINK else None
         # After an answer closer in the think channel: the closer, whitespace and
         # framing that followed it, undecided until words, an exit or the end come.
         self._closer_pending = False
@@ -137,6 +134,7 @@ class ReasoningReader:
         else:
             self._read(parts)
         self._flush()
+        self._events = []  # the caller's now: hold no reference to its text
         return events
 
     def finish(self, *, stopped: bool) -> list[ReaderEvent]:
@@ -159,6 +157,7 @@ class ReasoningReader:
         elif cut and not cut.startswith(_ATOMS):
             self._push(Content, cut)
         self._flush()
+        self._events = []
         self._channel = Channel.DONE
         return events
 
@@ -264,8 +263,7 @@ class ReasoningReader:
         if not text:
             return
         if self._kept is not None:
-            start = self._kept.tell()
-            self._kept.write(text)
+            start = self._kept.write(text)
             if quoted_marker:
                 self._kept_quoted.append((start, start + len(text)))
         if self._policy is ReplayPolicy.REPLAY:
@@ -297,7 +295,7 @@ class ReasoningReader:
         elif self._at_offset_zero and marker == vocab.THINK_START:
             # A thinking-off output that opens its own think channel.
             self._channel = Channel.THINK
-            self._kept = io.StringIO()
+            self._kept = _KeptText()
         # The think exit at offset 0 means "declined to think"; it and all other
         # framing are dropped from content.
 
@@ -305,6 +303,35 @@ class ReasoningReader:
         self._channel = Channel.TOOLS
         self._at_offset_zero = False
         self._push(ToolMarkup, marker)
+
+
+class _KeptText:
+    """The think channel's text, kept once: small pieces are joined into blocks, so
+    the copy costs about its own size (``io.StringIO`` and a list of per-token
+    strings both cost two or more times that)."""
+
+    __slots__ = ("_blocks", "_length", "_pieces")
+
+    _BLOCK_PIECES = 512
+
+    def __init__(self) -> None:
+        self._blocks: list[str] = []
+        self._pieces: list[str] = []
+        self._length = 0
+
+    def write(self, text: str) -> int:
+        """Append ``text``; return the offset it starts at."""
+        start = self._length
+        self._length += len(text)
+        pieces = self._pieces
+        pieces.append(text)
+        if len(pieces) >= self._BLOCK_PIECES:
+            self._blocks.append("".join(pieces))
+            pieces.clear()
+        return start
+
+    def getvalue(self) -> str:
+        return "".join(self._blocks) + "".join(self._pieces)
 
 
 def _without_spans(text: str, spans: list[tuple[int, int]]) -> str:

@@ -181,6 +181,7 @@ class ToolCallReader:
                 elif piece:
                     self._on_text(piece)
         self._flush()
+        self._events = []  # the caller's now: hold no reference to its text
         return events
 
     def finish(self) -> list[ToolEvent]:
@@ -193,6 +194,7 @@ class ToolCallReader:
         if self._call is not None:
             events.append(Dropped(self._call, "cut off before its closer"))
         self._call = None
+        self._events = []
         self._state = _State.DONE
         return events
 
