@@ -30,19 +30,23 @@ _COMPOSE_MARK = "_vllm_k3_plugin_wrapped"
 
 
 def register_all() -> None:
+    import vllm
+    from vllm.logger import init_logger
+
+    from vllm_k3_plugin import __version__
+    from vllm_k3_plugin.compat import check_vllm_version
     from vllm_k3_plugin.vllm_adapter.settings import replay_policy
 
-    # A bad VLLM_K3_REPLAY_POLICY fails here, at process start, not in a request.
+    logger = init_logger("vllm.k3_plugin")
+    # An unsupported vLLM or a bad VLLM_K3_REPLAY_POLICY fails here, at process
+    # start, not in a request.
+    check_vllm_version(getattr(vllm, "__version__", "unknown"), logger.warning)
     policy = replay_policy()
     _register_reasoning_parser()
     _register_tool_parser()
     _wrap_parser_composition()
-    from vllm.logger import init_logger
-
-    from vllm_k3_plugin import __version__
-
     # vLLM configures the ``vllm`` logger tree only; ours must live under it.
-    init_logger("vllm.k3_plugin").info(
+    logger.info(
         "vllm-k3-plugin %s: kimi_k3 reasoning and tool parsers registered "
         "(replay policy: %s)",
         __version__,
