@@ -244,3 +244,25 @@ def test_hold_back_policy_is_read_from_the_environment(monkeypatch, hf_tokenizer
         "",
         "The answer is 4.",
     )
+
+
+def test_parser_built_without_template_arguments(hf_tokenizer):
+    """vLLM builds some parsers with the tokenizer alone: no tools, no
+    chat_template_kwargs, no prompt ids. The thinking default (on) decides the start."""
+    parser_cls = _parser_cls()
+    text = "Hmm." + vocab.THINK_END + vocab.RESPONSE_START + "Hi." + RESPONSE_END
+    ids = [*_encode(hf_tokenizer, text), vocab.END_OF_MSG_ID]
+    request = _request()
+    whole = parser_cls(hf_tokenizer).parse(text, request, model_output_token_ids=ids)
+    assert whole[:2] == ("Hmm.", "Hi.")
+    streamed = parser_cls(hf_tokenizer)
+    reasoning, content = "", ""
+    deltas = compare.delta_texts(hf_tokenizer, ids)
+    for i, (token, delta_text) in enumerate(zip(ids, deltas)):
+        delta = streamed.parse_delta(
+            delta_text, [token], request, finished=i == len(ids) - 1
+        )
+        if delta is not None:
+            reasoning += delta.reasoning or ""
+            content += delta.content or ""
+    assert (reasoning, content) == ("Hmm.", "Hi.")
