@@ -1,5 +1,5 @@
 """Our parser and vLLM's in-tree ``kimi_k3`` parser, driven as vLLM's serving layer
-drives them, for the demo and the benchmarks.
+drives them, for `vllm-k3 replay` and the benchmarks.
 
 Streaming is one ``parse_delta`` per token with the text the engine's incremental
 detokenizer would hand over (the stop token contributes no text), ``finished`` on

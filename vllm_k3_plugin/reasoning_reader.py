@@ -83,6 +83,7 @@ class ReasoningReader:
         "_kept",
         "_kept_quoted",
         "_policy",
+        "_replayed",
         "_run",
         "_run_kind",
         "_scanner",
@@ -98,6 +99,7 @@ class ReasoningReader:
         self._scanner = MarkerScanner(vocab.REASONING_MARKERS)
         self._channel = start
         self._policy = policy
+        self._replayed = False
         self._at_offset_zero = True
         self._kept: _KeptText | None = _KeptText() if start is Channel.THINK else None
         # After an answer closer in the think channel: the closer, whitespace and
@@ -115,6 +117,11 @@ class ReasoningReader:
     @property
     def channel(self) -> Channel:
         return self._channel
+
+    @property
+    def replayed(self) -> bool:
+        """Whether a skipped think channel was read as the reply (rule 4)."""
+        return self._replayed
 
     @property
     def in_reasoning(self) -> bool:
@@ -281,6 +288,7 @@ class ReasoningReader:
         quoted, self._kept, self._kept_quoted = self._kept_quoted, None, []
         if replay:
             kept = _without_spans(kept, quoted)
+            self._replayed = bool(kept)
         if self._policy is ReplayPolicy.HOLD_BACK:
             if kept:
                 self._push(Content if replay else Reasoning, kept)

@@ -1,5 +1,5 @@
 """A built-in corpus of K3 output shapes: the ones seen in the wild and the contract's
-edge cases (K3_FORMAT.md). The demo replays them; the server tests force them.
+edge cases (K3_FORMAT.md). `vllm-k3 replay` replays them; the server tests force them.
 
 Each output is the model's text with every marker kept and without the stop token;
 how it ended (stop token or ``max_tokens`` cut) is chosen by whoever replays it.

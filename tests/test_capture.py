@@ -1,0 +1,131 @@
+"""``vllm-k3 capture`` against the real ``vllm serve``, then ``replay`` on it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_k3_plugin import cli, vocab
+from vllm_k3_plugin.capture import CaptureError, done_ids, read_requests
+from vllm_k3_plugin.shapes import SHAPES, TOOLS
+
+pytestmark = pytest.mark.server
+
+# shape, ending -> the shape replay must find
+FORCED = {
+    ("think-then-reply", "stop"): "answered",
+    ("thinking-off", "stop"): "answered",
+    ("skipped-channel", "stop"): "skipped channel recovered",
+    ("closer-whitespace", "stop"): "skipped channel recovered",
+    ("no-closer", "stop"): "thought only",
+    ("skipped-channel", "cut"): "cut at max_tokens",
+    ("closer-cut-mid-marker", "cut"): "cut at max_tokens",
+    ("reply-then-calls", "stop"): "tool calls",
+    ("thinking-off-tools", "stop"): "tool calls",
+}
+
+
+def _requests(hf_tokenizer) -> list[dict]:
+    lines = []
+    for (shape, ending), _ in FORCED.items():
+        output, thinking, _ = SHAPES[shape]
+        ids = hf_tokenizer.encode(output, add_special_tokens=False)
+        if ending == "stop":
+            ids.append(vocab.END_OF_MSG_ID)
+        lines.append(
+            {
+                "id": f"{shape}/{ending}",
+                "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+                "tools": TOOLS,
+                "chat_template_kwargs": {"thinking": thinking},
+                "max_tokens": len(ids) + (8 if ending == "stop" else 0),
+                "temperature": 0,
+                "vllm_xargs": {"k3_force_ids": ids},
+            }
+        )
+    return lines
+
+
+@pytest.fixture(scope="module")
+def captured(k3_server, hf_tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("capture")
+    requests = folder / "requests.jsonl"
+    requests.write_text("".join(json.dumps(r) + "\n" for r in _requests(hf_tokenizer)))
+    raw = folder / "raw.jsonl"
+    argv = ["capture", "--base-url", k3_server, "--requests", str(requests)]
+    assert cli.main([*argv, "--out", str(raw), "--concurrency", "4"]) == 0
+    return folder, argv, raw
+
+
+def test_capture_keeps_every_marker_and_the_ending(captured, hf_tokenizer):
+    _, _, raw = captured
+    records = [json.loads(line) for line in raw.read_text().splitlines()]
+    assert [r["id"] for r in records] == [f"{s}/{e}" for s, e in FORCED]
+    for record in records:
+        shape, ending = record["id"].split("/")
+        output, thinking, _ = SHAPES[shape]
+        assert record["text"] == output
+        assert record["finish_reason"] == ("stop" if ending == "stop" else "length")
+        assert record["thinking"] is thinking
+        forced = hf_tokenizer.encode(output, add_special_tokens=False)
+        assert record["token_ids"][: len(forced)] == forced
+
+
+def test_replay_counts_the_forced_shapes(captured, capsys):
+    folder, _, raw = captured
+    report = folder / "report.json"
+    assert cli.main(["replay", str(raw), "--report", str(report)]) == 0
+    data = json.loads(report.read_text())
+    expected: dict[str, int] = {}
+    for shape in FORCED.values():
+        expected[shape] = expected.get(shape, 0) + 1
+    assert {k: v for k, v in data["shapes"].items() if v} == expected
+    assert data["streamed_vs_whole_disagree"] == 0
+    assert f"{len(FORCED)} outputs from {raw}" in capsys.readouterr().out
+
+
+def test_interrupted_capture_resumed_gives_the_same_file(captured):
+    folder, argv, raw = captured
+    full = raw.read_bytes()
+    lines = full.splitlines(keepends=True)
+    torn = folder / "torn.jsonl"
+    # Three lines written, the fourth cut off mid-write.
+    torn.write_bytes(b"".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
+    assert done_ids(torn) == [json.loads(line)["id"] for line in lines[:3]]
+    assert cli.main([*argv, "--out", str(torn), "--no-progress"]) == 0
+    assert torn.read_bytes() == full
+    # Run again on a complete file: nothing is redone.
+    assert cli.main([*argv, "--out", str(torn), "--no-progress"]) == 0
+    assert torn.read_bytes() == full
+
+
+def test_bad_request_files(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    with pytest.raises(CaptureError, match="no such file"):
+        read_requests(path)
+    path.write_text('{"messages": []}\n{"id": "x"}\n')
+    with pytest.raises(CaptureError, match=r"requests.jsonl:2: needs a 'messages'"):
+        read_requests(path)
+    path.write_text("\n")
+    with pytest.raises(CaptureError, match="no requests"):
+        read_requests(path)
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    code = cli.main(
+        [
+            "capture",
+            "--base-url",
+            "http://127.0.0.1:9",
+            "--requests",
+            str(requests),
+            "--out",
+            str(tmp_path / "raw.jsonl"),
+            "--no-progress",
+        ]
+    )
+    assert code == 2
+    assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
