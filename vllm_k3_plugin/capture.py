@@ -54,21 +54,18 @@ def read_requests(path: Path) -> list[tuple[str, dict[str, Any]]]:
         raise CaptureError(f"{path}: no such file")
     requests: list[tuple[str, dict[str, Any]]] = []
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                body = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise CaptureError(f"{path}:{number}: not JSON ({error})") from None
-            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-                raise CaptureError(f"{path}:{number}: needs a 'messages' list")
-            request_id = str(body.get("id", f"line-{number}"))
-            if request_id in seen:
-                raise CaptureError(f"{path}:{number}: duplicate id {request_id!r}")
-            seen.add(request_id)
-            requests.append((request_id, body))
+    for number, body, error in json_lines(path):
+        if error is None and not (
+            isinstance(body, dict) and isinstance(body.get("messages"), list)
+        ):
+            error = "needs a 'messages' list"
+        if error is not None:
+            raise CaptureError(f"{path}:{number}: {error}")
+        request_id = str(body.get("id", f"line-{number}"))
+        if request_id in seen:
+            raise CaptureError(f"{path}:{number}: duplicate id {request_id!r}")
+        seen.add(request_id)
+        requests.append((request_id, body))
     if not requests:
         raise CaptureError(f"{path}: no requests")
     return requests
@@ -206,18 +203,23 @@ async def capture(
     return len(todo)
 
 
-def iter_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
-    """``(line number, record, error)`` per non-blank line, streamed."""
+def json_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """``(line number, value, error)`` per non-blank line of a JSONL file, streamed."""
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield number, json.loads(line), None
             except json.JSONDecodeError as error:
                 yield number, None, f"not JSON ({error.msg})"
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                yield number, None, "needs a 'text' string"
-                continue
-            yield number, record, None
+
+
+def iter_records(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
+    """``(line number, record, error)`` per captured output, streamed."""
+    for number, record, error in json_lines(path):
+        if error is None and not (
+            isinstance(record, dict) and isinstance(record.get("text"), str)
+        ):
+            error = "needs a 'text' string"
+        yield number, (record if error is None else None), error
