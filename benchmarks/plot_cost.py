@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     left.set_title("Reasoning: a long thought, then the reply")
 
-    for label, pick in (("calls", "calls"), ("string argument", "string")):
-        rows = [r for r in tools["rows"] if (pick in r["output"])]
+    for label, strings in (("calls", False), ("string argument", True)):
+        rows = [r for r in tools["rows"] if ("string" in r["output"]) is strings]
         x = [r["tokens"] for r in rows]
         tree = [r["in_tree_stream_us"] or r["in_tree_tail_us"] for r in rows]
         right.plot(x, tree, "o-", label=f"vLLM in-tree, {label}")
