@@ -129,3 +129,48 @@ def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
     )
     assert code == 2
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_capture_killed_midway_and_resumed(k3_server, hf_tokenizer, tmp_path):
+    """A real interruption: the capture process is killed once it has written a
+    line, then run again; the file equals an uninterrupted capture's."""
+    import subprocess
+    import sys
+    import time
+
+    lines = []
+    for n in range(4):
+        ids = hf_tokenizer.encode(
+            f"Step {n}. " + "slow " * 300, add_special_tokens=False
+        )
+        lines.append(
+            {
+                "id": f"slow-{n}",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": len(ids),
+                "vllm_xargs": {"k3_force_ids": ids},
+            }
+        )
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["capture", "--base-url", k3_server, "--requests", str(requests)]
+    whole = tmp_path / "whole.jsonl"
+    assert cli.main([*argv, "--out", str(whole), "--no-progress"]) == 0
+
+    resumed = tmp_path / "resumed.jsonl"
+    command = [sys.executable, "-m", "vllm_k3_plugin.cli", *argv]
+    child = subprocess.Popen(
+        [*command, "--out", str(resumed), "--no-progress", "--concurrency", "1"],
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and child.poll() is None:
+        if resumed.exists() and resumed.read_bytes().count(b"\n") >= 1:
+            child.kill()
+            break
+        time.sleep(0.02)
+    child.wait()
+    written = resumed.read_bytes().count(b"\n")
+    assert 1 <= written < len(lines)  # it really was interrupted midway
+    assert cli.main([*argv, "--out", str(resumed), "--no-progress"]) == 0
+    assert resumed.read_bytes() == whole.read_bytes()
