@@ -88,6 +88,8 @@ def test_capture_file_with_malformed_lines_is_read_around_them(capsys, tmp_path)
     assert out.startswith("2 outputs from")
     assert f"skipped malformed line {raw}:2: not JSON" in out
     assert f"skipped malformed line {raw}:4: needs a 'text' string" in out
+    report = json.loads((tmp_path / "raw.jsonl.replay.json").read_text())
+    assert report["outputs"] == 2 and len(report["malformed_lines"]) == 2
 
 
 @pytest.mark.parametrize("problem", ["missing", "empty", "directory"])

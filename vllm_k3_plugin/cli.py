@@ -49,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="print the first N outputs vLLM reads differently",
     )
-    replay.add_argument("--report", type=Path, help="write the summary as JSON here")
+    replay.add_argument(
+        "--report",
+        type=Path,
+        help="write the summary as JSON here (default for a file: FILE.replay.json)",
+    )
     replay.add_argument(
         "--tokenizer",
         type=Path,
@@ -100,8 +104,12 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"vllm-k3 replay: {error}", file=sys.stderr)
         return 2
     print(replay.format_summary(summary, source))
-    if args.report:
-        replay.write_report(summary, args.report)
+    report = args.report
+    if report is None and args.file is not None:
+        report = args.file.with_name(args.file.name + ".replay.json")
+    if report is not None:
+        replay.write_report(summary, report)
+        print(f"report: {report}")
     return 0
 
 
