@@ -1,0 +1,2 @@
+"""The Kimi-K3 text model: PyTorch reference blocks (``reference``), and, later, the
+vLLM model class built from them."""
