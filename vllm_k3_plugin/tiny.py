@@ -1,0 +1,267 @@
+"""``python -m vllm_k3_plugin.tiny OUT_DIR``: a tiny random Kimi-K3 checkpoint in the
+real format.
+
+``config.json`` is a ``kimi_k3`` config wrapping a ``kimi_linear`` text config (the
+published checkpoint's layout, with every field the text model reads), the weights
+carry the checkpoint's names under ``language_model.`` with the routed experts
+MXFP4-packed (``weight_packed`` + UE8M0 ``weight_scale``) and everything else BF16,
+and the tokenizer is the real K3 one (the Kimi BPE ranks and control ids) with a chat
+template that ends the prompt with the K3 generation prefix.
+
+The default geometry mixes KDA and MLA layers, uses an attention-residual block of 2
+so the bank holds several blocks, and has 8 experts (2 per token, 1 shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm_k3_plugin import vocab
+
+PREFIX = "language_model."
+
+
+def tiny_text_config() -> dict[str, Any]:
+    layers = 6
+    full_attn = [3, 6]  # 1-based, as the published config numbers them
+    return {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": vocab.VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "bos_token_id": vocab.BOS_ID,
+        "eos_token_id": vocab.END_OF_MSG_ID,
+        "pad_token_id": vocab.PAD_ID,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 32,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "num_experts": 8,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "routed_expert_hidden_size": 32,
+        "latent_moe_use_norm": True,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "attn_res_block_size": 2,
+        "linear_attn_config": {
+            "kda_layers": [i for i in range(1, layers + 1) if i not in full_attn],
+            "full_attn_layers": full_attn,
+            "num_heads": 2,
+            "head_dim": 32,
+            "short_conv_kernel_size": 4,
+            "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True,
+        },
+        "torch_dtype": "bfloat16",
+    }
+
+
+def quantization_config() -> dict[str, Any]:
+    """compressed-tensors MXFP4 for the routed experts only."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "format": "mxfp4-pack-quantized",
+                "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "float",
+                    "group_size": 32,
+                    "strategy": "group",
+                    "symmetric": True,
+                    "scale_dtype": "uint8",
+                },
+                "input_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+
+
+def k3_config(text: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "text_config": text,
+        "bos_token_id": vocab.BOS_ID,
+        "eos_token_id": vocab.END_OF_MSG_ID,
+        "pad_token_id": vocab.PAD_ID,
+        "tie_word_embeddings": False,
+        "quantization_config": quantization_config(),
+        "torch_dtype": "bfloat16",
+    }
+
+
+def is_kda_layer(text: dict[str, Any], layer: int) -> bool:
+    return layer + 1 in text["linear_attn_config"]["kda_layers"]
+
+
+def dense_weight_shapes(text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every BF16 tensor of the text model, by checkpoint name (without the prefix)."""
+    d = text["hidden_size"]
+    kda = text["linear_attn_config"]
+    kda_heads, kda_dim = kda["num_heads"], kda["head_dim"]
+    kda_width = kda_heads * kda_dim
+    conv = kda["short_conv_kernel_size"]
+    heads = text["num_attention_heads"]
+    q_head = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
+    latent = text["routed_expert_hidden_size"]
+    shared = text["moe_intermediate_size"] * text["num_shared_experts"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (text["vocab_size"], d),
+        "model.norm.weight": (d,),
+        "model.output_attn_res_norm.weight": (d,),
+        "model.output_attn_res_proj.weight": (1, d),
+        "lm_head.weight": (text["vocab_size"], d),
+    }
+    for layer in range(text["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attention_res_norm",
+            "mlp_res_norm",
+        ):
+            shapes[f"{p}{norm}.weight"] = (d,)
+        shapes[f"{p}self_attention_res_proj.weight"] = (1, d)
+        shapes[f"{p}mlp_res_proj.weight"] = (1, d)
+        a = f"{p}self_attn."
+        if is_kda_layer(text, layer):
+            for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
+                shapes[f"{a}{name}.weight"] = (kda_width, d)
+            for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+                shapes[f"{a}{name}.weight"] = (kda_width, 1, conv)
+            shapes[f"{a}b_proj.weight"] = (kda_heads, d)
+            shapes[f"{a}f_a_proj.weight"] = (kda_dim, d)
+            shapes[f"{a}f_b_proj.weight"] = (kda_width, kda_dim)
+            shapes[f"{a}A_log"] = (kda_heads,)
+            shapes[f"{a}dt_bias"] = (kda_width,)
+            shapes[f"{a}o_norm.weight"] = (kda_dim,)
+            shapes[f"{a}o_proj.weight"] = (d, kda_width)
+        else:
+            shapes[f"{a}q_a_proj.weight"] = (text["q_lora_rank"], d)
+            shapes[f"{a}q_a_layernorm.weight"] = (text["q_lora_rank"],)
+            shapes[f"{a}q_b_proj.weight"] = (heads * q_head, text["q_lora_rank"])
+            shapes[f"{a}kv_a_proj_with_mqa.weight"] = (
+                text["kv_lora_rank"] + text["qk_rope_head_dim"],
+                d,
+            )
+            shapes[f"{a}kv_a_layernorm.weight"] = (text["kv_lora_rank"],)
+            shapes[f"{a}kv_b_proj.weight"] = (
+                heads * (text["qk_nope_head_dim"] + text["v_head_dim"]),
+                text["kv_lora_rank"],
+            )
+            shapes[f"{a}g_proj.weight"] = (heads * text["v_head_dim"], d)
+            shapes[f"{a}o_proj.weight"] = (d, heads * text["v_head_dim"])
+        if layer < text["first_k_dense_replace"]:
+            m = f"{p}mlp."
+            shapes[f"{m}gate_proj.weight"] = (text["intermediate_size"], d)
+            shapes[f"{m}up_proj.weight"] = (text["intermediate_size"], d)
+            shapes[f"{m}down_proj.weight"] = (d, text["intermediate_size"])
+        else:
+            m = f"{p}block_sparse_moe."
+            shapes[f"{m}gate.weight"] = (text["num_experts"], d)
+            shapes[f"{m}gate.e_score_correction_bias"] = (text["num_experts"],)
+            shapes[f"{m}routed_expert_down_proj.weight"] = (latent, d)
+            shapes[f"{m}routed_expert_norm.weight"] = (latent,)
+            shapes[f"{m}routed_expert_up_proj.weight"] = (d, latent)
+            shapes[f"{m}shared_experts.gate_proj.weight"] = (shared, d)
+            shapes[f"{m}shared_experts.up_proj.weight"] = (shared, d)
+            shapes[f"{m}shared_experts.down_proj.weight"] = (d, shared)
+    return shapes
+
+
+def expert_weight_shapes(text: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Every routed expert projection's unpacked ``[out, in]`` shape, by the name
+    its ``weight_packed`` / ``weight_scale`` pair carries (without the suffix)."""
+    latent = text["routed_expert_hidden_size"]
+    inner = text["moe_intermediate_size"]
+    shapes = {}
+    for layer in range(text["first_k_dense_replace"], text["num_hidden_layers"]):
+        for expert in range(text["num_experts"]):
+            e = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+            shapes[f"{e}w1"] = (inner, latent)
+            shapes[f"{e}w3"] = (inner, latent)
+            shapes[f"{e}w2"] = (latent, inner)
+    return shapes
+
+
+def write_tiny_k3_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_k3_plugin.model.reference import mxfp4_encode
+    from vllm_k3_plugin.testing.checkpoint import chat_template
+    from vllm_k3_plugin.tokenizer import write_hf_tokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = tiny_text_config()
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in dense_weight_shapes(text).items():
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            value = torch.ones(shape)
+        elif name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
+            value = torch.zeros(shape)
+        else:
+            fan_in = shape[-1]
+            value = torch.randn(shape, generator=generator) / fan_in**0.5
+        tensors[PREFIX + name] = value.to(torch.bfloat16).contiguous()
+    for name, shape in expert_weight_shapes(text).items():
+        weight = torch.randn(shape, generator=generator) / shape[1] ** 0.5
+        packed, scale = mxfp4_encode(weight)
+        tensors[f"{PREFIX}{name}.weight_packed"] = packed.contiguous()
+        tensors[f"{PREFIX}{name}.weight_scale"] = scale.contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(k3_config(text), indent=2) + "\n")
+    generation = {
+        "bos_token_id": vocab.BOS_ID,
+        "eos_token_id": vocab.END_OF_MSG_ID,
+        "pad_token_id": vocab.PAD_ID,
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    write_hf_tokenizer(out_dir, chat_template())
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = write_tiny_k3_checkpoint(args.out_dir, seed=args.seed)
+    print(f"wrote a tiny Kimi-K3 checkpoint to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
