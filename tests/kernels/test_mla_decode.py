@@ -1,0 +1,122 @@
+"""FP8 MLA decode: the Triton kernels against the PyTorch reference.
+
+Tolerance (kernel vs reference on the same cache): 1e-4 absolute and relative. Both
+dequantize the same stored values exactly (fp8 -> fp32 is exact); they differ only in
+fp32 summation order (tiles, splits, the LSE merge) over at most a few hundred tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from k3_triton_kernels import mla_decode as kernel
+
+SCALE = 1 / math.sqrt(192)
+FP8 = [d for d in kernel.FP8_DTYPES]
+
+
+def _setup(
+    lens, *, heads, rows, page_size, dtype, dv=512, dpe=64, kv_scale=1.0, seed=0
+):
+    torch.manual_seed(seed)
+    batch = len(lens)
+    pages_per_seq = max(1, math.ceil(max(lens) / page_size))
+    pages = batch * pages_per_seq + 3
+    cache = torch.zeros(pages, page_size, dv + dpe, dtype=dtype)
+    table = torch.randperm(pages)[: batch * pages_per_seq].view(batch, -1).int()
+    for b, length in enumerate(lens):
+        t = torch.arange(length)
+        slots = table[b, t // page_size].long() * page_size + t % page_size
+        kernel.write_latent(cache, slots, torch.randn(length, dv + dpe), kv_scale)
+    q = torch.randn(batch, rows, heads, dv + dpe)
+    return q, cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def _compare(q, cache, table, lens, *, dv=512, kv_scale=1.0, **launch):
+    assert kernel._unsupported(q, cache, dv) is None  # the Triton path, not the fallback
+    out, lse = kernel.mla_decode(
+        q, cache, table, lens, value_dim=dv, kv_scale=kv_scale, **launch
+    )
+    ref_out, ref_lse = kernel.mla_decode_reference(
+        q, cache, table, lens, value_dim=dv, softmax_scale=SCALE, kv_scale=kv_scale
+    )
+    assert torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [*FP8, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    ("lens", "heads", "page_size"),
+    [
+        ([1], 16, 16),  # a single token
+        ([17, 64, 33], 12, 16),  # ragged, across page boundaries (96 heads / TP8)
+        ([100], 96, 64),  # all K3 heads on one device
+        ([40, 7], 5, 1),  # page size 1, heads not a multiple of the block
+    ],
+)
+def test_decode_matches_reference(dtype, lens, heads, page_size):
+    q, cache, table, seq_lens = _setup(
+        lens, heads=heads, rows=1, page_size=page_size, dtype=dtype, kv_scale=0.25
+    )
+    _compare(q, cache, table, seq_lens, kv_scale=0.25)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_split_kv_merge(splits):
+    q, cache, table, lens = _setup(
+        [150, 90], heads=16, rows=1, page_size=16, dtype=FP8[0]
+    )
+    _compare(q, cache, table, lens, num_splits=splits, block_n=16)
+
+
+def test_eight_speculative_rows_see_their_own_prefix():
+    q, cache, table, lens = _setup(
+        [20, 9], heads=12, rows=8, page_size=16, dtype=FP8[0]
+    )
+    _compare(q, cache, table, lens)
+    out, _ = kernel.mla_decode(q, cache, table, lens)
+    # Row r of the 9-token request sees 9 - (7 - r) tokens: row 0 sees 2.
+    alone, _ = kernel.mla_decode(
+        q[1:, :1], cache, table[1:], torch.tensor([2], dtype=torch.int32)
+    )
+    assert torch.allclose(out[1, 0], alone[0, 0], atol=1e-5)
+
+
+def test_fp8_cache_stays_close_to_the_unquantized_one():
+    """e4m3 keeps 3 mantissa bits: each stored value is within 2^-4 relative."""
+    lens = [64]
+    q, fp8_cache, table, seq_lens = _setup(
+        lens, heads=8, rows=1, page_size=16, dtype=FP8[0], kv_scale=0.5
+    )
+    _, exact_cache, _, _ = _setup(
+        lens, heads=8, rows=1, page_size=16, dtype=torch.float32, kv_scale=0.5
+    )
+    fp8_out, _ = kernel.mla_decode(q, fp8_cache, table, seq_lens, kv_scale=0.5)
+    exact_out, _ = kernel.mla_decode(q, exact_cache, table, seq_lens, kv_scale=0.5)
+    error = (fp8_out - exact_out).abs().max() / exact_out.abs().max()
+    assert error < 0.15
+
+
+def test_write_latent_applies_the_scale():
+    cache = torch.zeros(2, 4, 32, dtype=FP8[0])
+    latent = torch.randn(3, 32)
+    kernel.write_latent(cache, torch.tensor([0, 5, 7]), latent, kv_scale=2.0)
+    stored = cache.view(-1, 32)[[0, 5, 7]].float() * 2.0
+    assert torch.allclose(stored, latent, rtol=2**-4, atol=2.0 * 2**-9)
+
+
+def test_unsupported_shapes_fall_back_to_pytorch_and_say_why(caplog):
+    q, cache, table, lens = _setup(
+        [10], heads=4, rows=1, page_size=4, dtype=torch.float32, dv=48, dpe=16
+    )
+    with caplog.at_level("INFO", logger="vllm.k3_plugin.kernels"):
+        out, lse = kernel.mla_decode(q, cache, table, lens, value_dim=48)
+    ref_out, ref_lse = kernel.mla_decode_reference(
+        q, cache, table, lens, value_dim=48, softmax_scale=SCALE
+    )
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert "latent dim 48" in caplog.text
+    bad = torch.zeros(2, 4, 576, dtype=torch.int8)
+    assert "cache dtype" in kernel._unsupported(torch.zeros(1, 1, 1, 576), bad, 512)

@@ -1,0 +1,375 @@
+"""MLA decode attention over a paged latent cache (FP8 or BF16), split-KV with an LSE
+merge: the Triton kernels, their launcher, and the PyTorch reference.
+
+Shapes (Kimi-K3: ``H`` = 96 heads before TP, latent ``DV`` = 512, ``DPE`` = 64):
+
+- ``q``: ``[B, Q, H, DV + DPE]``, queries absorbed into the latent; ``Q`` rows per
+  request (1, or up to 8 for speculative decoding): row ``r`` sees the first
+  ``seq_len - (Q - 1 - r)`` tokens.
+- ``cache``: ``[num_pages, page_size, DV + DPE]``, ``float8_e4m3fn`` /
+  ``float8_e4m3fnuz`` with one scale per layer, or ``bfloat16`` / ``float16`` /
+  ``float32`` (scale 1).
+- ``block_table``: ``[B, max_pages]`` int32; ``seq_lens``: ``[B]`` int32.
+- returns ``(out [B, Q, H, DV] fp32, lse [B, Q, H] fp32)``; the values are the first
+  ``DV`` channels of the cache (the normalized ``c_kv``).
+
+The kernel dequantizes each FP8 value exactly (fp8 -> fp32 is exact), so it differs
+from the reference only by fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+logger = logging.getLogger("vllm.k3_plugin.kernels")
+
+FP8_DTYPES = tuple(
+    d
+    for d in (
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e4m3fnuz", None),
+    )
+    if d
+)
+CACHE_DTYPES = (*FP8_DTYPES, torch.bfloat16, torch.float16, torch.float32)
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton runs on a GPU, or anywhere under ``TRITON_INTERPRET=1``."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda"
+
+
+# -- PyTorch reference ----------------------------------------------------------------
+
+
+def mla_decode_reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    value_dim: int,
+    softmax_scale: float,
+    kv_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, rows, heads, _ = q.shape
+    page_size = cache.shape[1]
+    out = torch.zeros(
+        batch, rows, heads, value_dim, dtype=torch.float32, device=q.device
+    )
+    lse = torch.full((batch, rows, heads), float("-inf"), device=q.device)
+    for b in range(batch):
+        length = int(seq_lens[b])
+        tokens = torch.arange(length, device=q.device)
+        pages = block_table[b, tokens // page_size].long()
+        latent = cache[pages, tokens % page_size].float() * kv_scale  # [L, D]
+        for r in range(rows):
+            visible = length - (rows - 1 - r)
+            if visible <= 0:
+                continue
+            keys = latent[:visible]
+            scores = (q[b, r].float() @ keys.T) * softmax_scale  # [H, visible]
+            lse[b, r] = torch.logsumexp(scores, dim=-1)
+            out[b, r] = torch.softmax(scores, dim=-1) @ keys[:, :value_dim]
+    return out, lse
+
+
+def write_latent(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    latent: torch.Tensor,
+    kv_scale: float = 1.0,
+) -> None:
+    """Store ``latent`` ``[T, D]`` at flat ``slots`` (``page * page_size + offset``),
+    quantized to the cache dtype with the layer's scale."""
+    flat = cache.view(-1, cache.shape[-1])
+    values = latent.float() / kv_scale
+    if cache.dtype in FP8_DTYPES:
+        limit = torch.finfo(cache.dtype).max
+        values = values.clamp(-limit, limit)
+    flat[slots.long()] = values.to(cache.dtype)
+
+
+# -- Triton kernels -------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU path needs no Triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mla_decode_partial(
+        q_ptr,
+        cache_ptr,
+        block_table_ptr,
+        seq_lens_ptr,
+        mid_out_ptr,
+        mid_lse_ptr,
+        kv_scale,
+        softmax_scale,
+        stride_qb,
+        stride_qr,
+        stride_qh,
+        stride_cp,
+        stride_cs,
+        stride_bt,
+        stride_mo_row,
+        stride_mo_h,
+        stride_mo_s,
+        stride_ml_row,
+        stride_ml_h,
+        heads,
+        rows: tl.constexpr,
+        page_size: tl.constexpr,
+        tokens_per_split,
+        DV: tl.constexpr,
+        DPE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        row = tl.program_id(0)  # b * rows + r
+        head_block = tl.program_id(1)
+        split = tl.program_id(2)
+        b = row // rows
+        r = row % rows
+        visible = tl.load(seq_lens_ptr + b) - (rows - 1 - r)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, visible)
+
+        h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = h < heads
+        dv = tl.arange(0, DV)
+        dpe = tl.arange(0, DPE)
+        q_base = q_ptr + b * stride_qb + r * stride_qr + h[:, None] * stride_qh
+        q_nope = tl.load(q_base + dv[None, :], mask=h_mask[:, None], other=0.0).to(
+            tl.float32
+        )
+        q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0).to(
+            tl.float32
+        )
+
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        denom = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, DV), tl.float32)
+        for tile in range(start, end, BLOCK_N):
+            n = tile + tl.arange(0, BLOCK_N)
+            n_mask = n < end
+            page = tl.load(
+                block_table_ptr + b * stride_bt + n // page_size, mask=n_mask, other=0
+            )
+            token_base = (
+                cache_ptr + page.to(tl.int64) * stride_cp + (n % page_size) * stride_cs
+            )
+            k_nope = (
+                tl.load(
+                    token_base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0
+                ).to(tl.float32)
+                * kv_scale
+            )
+            k_pe = (
+                tl.load(
+                    token_base[:, None] + DV + dpe[None, :],
+                    mask=n_mask[:, None],
+                    other=0.0,
+                ).to(tl.float32)
+                * kv_scale
+            )
+            scores = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
+            scores += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+            scores = tl.where(n_mask[None, :], scores * softmax_scale, float("-inf"))
+            new_m = tl.maximum(m, tl.max(scores, axis=1))
+            rescale = tl.exp(m - new_m)
+            p = tl.exp(scores - new_m[:, None])
+            denom = denom * rescale + tl.sum(p, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(p, k_nope, input_precision="ieee")
+            m = new_m
+
+        has_tokens = end > start
+        safe_denom = tl.where(has_tokens, denom, 1.0)
+        lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
+        out = acc / safe_denom[:, None]
+        tl.store(
+            mid_out_ptr
+            + row * stride_mo_row
+            + h[:, None] * stride_mo_h
+            + split * stride_mo_s
+            + dv[None, :],
+            out,
+            mask=h_mask[:, None],
+        )
+        tl.store(
+            mid_lse_ptr + row * stride_ml_row + h * stride_ml_h + split,
+            lse,
+            mask=h_mask,
+        )
+
+    @triton.jit
+    def _mla_decode_merge(
+        mid_out_ptr,
+        mid_lse_ptr,
+        out_ptr,
+        lse_ptr,
+        stride_mo_row,
+        stride_mo_h,
+        stride_mo_s,
+        stride_ml_row,
+        stride_ml_h,
+        stride_o_row,
+        stride_o_h,
+        stride_l_row,
+        splits,
+        DV: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        dv = tl.arange(0, DV)
+        m = tl.full((), float("-inf"), tl.float32)
+        denom = tl.zeros((), tl.float32)
+        acc = tl.zeros((DV,), tl.float32)
+        for s in range(splits):
+            part_lse = tl.load(mid_lse_ptr + row * stride_ml_row + h * stride_ml_h + s)
+            if part_lse > float("-inf"):
+                part = tl.load(
+                    mid_out_ptr
+                    + row * stride_mo_row
+                    + h * stride_mo_h
+                    + s * stride_mo_s
+                    + dv
+                )
+                new_m = tl.maximum(m, part_lse)
+                rescale = tl.exp(m - new_m)
+                weight = tl.exp(part_lse - new_m)
+                denom = denom * rescale + weight
+                acc = acc * rescale + weight * part
+                m = new_m
+        has = denom > 0
+        safe_denom = tl.where(has, denom, 1.0)
+        tl.store(out_ptr + row * stride_o_row + h * stride_o_h + dv, acc / safe_denom)
+        tl.store(
+            lse_ptr + row * stride_l_row + h, tl.where(has, m + tl.log(safe_denom), m)
+        )
+
+
+# -- launcher -------------------------------------------------------------------------
+
+_fallback_logged: set[str] = set()
+
+
+def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | None:
+    if triton is None:
+        return "Triton is not installed"
+    if not triton_usable(q.device):
+        return f"no Triton backend for device {q.device.type}"
+    if cache.dtype not in CACHE_DTYPES:
+        return f"cache dtype {cache.dtype}"
+    rope = q.shape[-1] - value_dim
+    for name, size in (("latent dim", value_dim), ("rope dim", rope)):
+        if size < 16 or size & (size - 1):
+            return f"{name} {size} (needs a power of two >= 16)"
+    if cache.shape[-1] != q.shape[-1]:
+        return f"cache width {cache.shape[-1]} != query width {q.shape[-1]}"
+    return None
+
+
+def mla_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    value_dim: int = 512,
+    softmax_scale: float | None = None,
+    kv_scale: float = 1.0,
+    num_splits: int | None = None,
+    block_h: int = 16,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention; the Triton kernels where they apply, else the reference with
+    a one-time log line naming why."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(192)
+    reason = _unsupported(q, cache, value_dim)
+    if reason is not None:
+        if reason not in _fallback_logged:
+            _fallback_logged.add(reason)
+            logger.info("MLA decode: PyTorch path (%s)", reason)
+        return mla_decode_reference(
+            q,
+            cache,
+            block_table,
+            seq_lens,
+            value_dim=value_dim,
+            softmax_scale=softmax_scale,
+            kv_scale=kv_scale,
+        )
+    batch, rows, heads, _ = q.shape
+    rope = q.shape[-1] - value_dim
+    longest = int(seq_lens.max()) if batch else 0
+    if num_splits is None:
+        num_splits = max(1, min(16, math.ceil(longest / 256)))
+    tokens_per_split = max(block_n, math.ceil(max(longest, 1) / num_splits))
+    tokens_per_split = math.ceil(tokens_per_split / block_n) * block_n
+    num_splits = max(1, math.ceil(max(longest, 1) / tokens_per_split))
+    device = q.device
+    mid_out = torch.empty(batch * rows, heads, num_splits, value_dim, device=device)
+    mid_lse = torch.empty(batch * rows, heads, num_splits, device=device)
+    out = torch.empty(batch * rows, heads, value_dim, device=device)
+    lse = torch.empty(batch * rows, heads, device=device)
+    if batch:
+        grid = (batch * rows, triton.cdiv(heads, block_h), num_splits)
+        _mla_decode_partial[grid](
+            q,
+            cache,
+            block_table,
+            seq_lens,
+            mid_out,
+            mid_lse,
+            kv_scale,
+            softmax_scale,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            cache.stride(0),
+            cache.stride(1),
+            block_table.stride(0),
+            mid_out.stride(0),
+            mid_out.stride(1),
+            mid_out.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            heads,
+            rows,
+            cache.shape[1],
+            tokens_per_split,
+            DV=value_dim,
+            DPE=rope,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+        )
+        _mla_decode_merge[(batch * rows, heads)](
+            mid_out,
+            mid_lse,
+            out,
+            lse,
+            mid_out.stride(0),
+            mid_out.stride(1),
+            mid_out.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            num_splits,
+            DV=value_dim,
+        )
+    return out.view(batch, rows, heads, value_dim), lse.view(batch, rows, heads)
