@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+
 from k3_triton_kernels import mla_decode as kernel
 
 SCALE = 1 / math.sqrt(192)
@@ -35,7 +36,9 @@ def _setup(
 
 
 def _compare(q, cache, table, lens, *, dv=512, kv_scale=1.0, **launch):
-    assert kernel._unsupported(q, cache, dv) is None  # the Triton path, not the fallback
+    assert (
+        kernel._unsupported(q, cache, dv) is None
+    )  # the Triton path, not the fallback
     out, lse = kernel.mla_decode(
         q, cache, table, lens, value_dim=dv, kv_scale=kv_scale, **launch
     )

@@ -1,0 +1,426 @@
+"""Latent fused MoE for Kimi-K3 (FP8 activations; FP8 or MXFP4 expert weights): the
+Triton kernels, their launcher, and the PyTorch reference.
+
+On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weights``
+``[T, top_k]``:
+
+1. activations are quantized to FP8 per token (``scale = max|z_t| / fp8_max``);
+2. the (token, slot) pairs are sorted by expert and padded per ``BLOCK_M`` block;
+3. kernel 1, per block: the gate/up GEMM against ``w13`` ``[E, 2I, L]``, dequantized,
+   SiTU-GLU -> ``h`` ``[pairs, I]``;
+4. ``h`` is requantized to FP8 per row;
+5. kernel 2, per block: the down GEMM against ``w2`` ``[E, L, I]``, dequantized, times
+   the routing weight, added into the token's output row.
+
+Weight formats: ``"fp8"`` (e4m3 values with one scale per output channel) and
+``"mxfp4"`` (the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per 32
+inputs, decoded in registers: every e2m1 value is exact in e4m3, so this is W4A8).
+
+The kernels read the same quantized activations and weights the reference does and
+convert them exactly to fp32, so they differ from it only by summation order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from k3_triton_kernels.mla_decode import triton_usable
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+MXFP4_BLOCK = 32
+
+
+class ExpertWeights(NamedTuple):
+    """``fmt`` "fp8": ``w13`` ``[E, 2I, L]`` fp8 and ``w13_scale`` ``[E, 2I]`` fp32
+    (same for ``w2`` ``[E, L, I]``). "mxfp4": ``w13`` ``[E, 2I, L/2]`` uint8 and
+    ``w13_scale`` ``[E, 2I, L/32]`` uint8."""
+
+    fmt: str
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+
+
+def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 with one scale per row: ``(values, scale [rows])``."""
+    peak = x.float().abs().amax(dim=-1).clamp_min(1e-12)
+    scale = peak / FP8_MAX
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float):
+    return (
+        beta
+        * torch.tanh(gate / beta)
+        * torch.sigmoid(gate)
+        * (linear_beta * torch.tanh(up / linear_beta))
+    )
+
+
+def dequantize(weights: ExpertWeights, which: str) -> torch.Tensor:
+    """One projection of every expert in fp32."""
+    values = getattr(weights, which)
+    scale = getattr(weights, which + "_scale")
+    if weights.fmt == "fp8":
+        return values.float() * scale.float()[..., None]
+    from vllm_k3_plugin.model.reference import mxfp4_decode
+
+    experts, rows, half = values.shape
+    flat = mxfp4_decode(values.reshape(-1, half), scale.reshape(experts * rows, -1))
+    return flat.reshape(experts, rows, half * 2)
+
+
+# -- PyTorch reference ----------------------------------------------------------------
+
+
+def latent_moe_reference(
+    z: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: ExpertWeights,
+    *,
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+) -> torch.Tensor:
+    tokens, latent = z.shape
+    w13 = dequantize(experts, "w13")
+    w2 = dequantize(experts, "w2")
+    inner = w13.shape[1] // 2
+    z_q, z_scale = quantize_per_row(z)
+    z_deq = z_q.float() * z_scale[:, None]
+    out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
+    for expert in ids.unique().tolist():
+        rows, slots = (ids == expert).nonzero(as_tuple=True)
+        gate_up = z_deq[rows] @ w13[expert].T
+        h = _situ(gate_up[:, :inner], gate_up[:, inner:], beta, linear_beta)
+        h_q, h_scale = quantize_per_row(h)
+        down = (h_q.float() * h_scale[:, None]) @ w2[expert].T
+        out.index_add_(0, rows, weights[rows, slots, None].float() * down)
+    return out
+
+
+# -- routing bookkeeping --------------------------------------------------------------
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+    """``(pair index per padded row or -1, expert per block)``: the (token, slot)
+    pairs grouped by expert, each group padded to a multiple of ``block_m``."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = ((counts + block_m - 1) // block_m) * block_m
+    rows = torch.full((int(padded.sum()),), -1, dtype=torch.int64, device=ids.device)
+    block_expert = torch.repeat_interleave(
+        torch.arange(num_experts, device=ids.device), padded // block_m
+    )
+    starts = torch.cumsum(padded, 0) - padded
+    sorted_starts = torch.cumsum(counts, 0) - counts
+    for expert in torch.nonzero(counts).flatten().tolist():
+        n = int(counts[expert])
+        s = int(starts[expert])
+        rows[s : s + n] = order[
+            int(sorted_starts[expert]) : int(sorted_starts[expert]) + n
+        ]
+    return rows, block_expert
+
+
+# -- Triton kernels -------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+FORMATS = {"fp8": 0, "mxfp4": 1}
+
+if triton is not None:
+
+    @triton.jit
+    def _load_weight_tile(
+        w_ptr,
+        s_ptr,
+        expert,
+        n,
+        k,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        n_mask,
+        k_mask,
+        FMT: tl.constexpr,
+    ):
+        """A ``[BLOCK_N, BLOCK_K]`` fp32 tile of one expert's projection."""
+        mask = n_mask[:, None] & k_mask[None, :]
+        if FMT == 0:
+            values = tl.load(
+                w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
+                mask=mask,
+                other=0.0,
+            ).to(tl.float32)
+            scale = tl.load(
+                s_ptr + expert * stride_se + n * stride_sn, mask=n_mask, other=0.0
+            )
+            return values * scale[:, None]
+        byte = tl.load(
+            w_ptr + expert * stride_we + n[:, None] * stride_wn + (k[None, :] // 2),
+            mask=mask,
+            other=0,
+        ).to(tl.int32)
+        nibble = tl.where((k[None, :] % 2) == 0, byte & 0xF, byte >> 4)
+        exponent = (nibble >> 1) & 0x3
+        mantissa = (nibble & 0x1).to(tl.float32)
+        magnitude = tl.where(
+            exponent == 0,
+            0.5 * mantissa,
+            tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * mantissa),
+        )
+        value = tl.where((nibble & 0x8) != 0, -magnitude, magnitude)
+        e8m0 = tl.load(
+            s_ptr + expert * stride_se + n[:, None] * stride_sn + (k[None, :] // 32),
+            mask=mask,
+            other=127,
+        ).to(tl.float32)
+        return value * tl.exp2(e8m0 - 127.0)
+
+    @triton.jit
+    def _gate_up_situ(
+        a_ptr,
+        a_scale_ptr,
+        rows_ptr,
+        block_expert_ptr,
+        w_ptr,
+        s_ptr,
+        h_ptr,
+        top_k,
+        latent,
+        inner,
+        stride_am,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_hm,
+        beta,
+        linear_beta,
+        FMT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(rows_ptr + m)
+        valid = pair >= 0
+        token = tl.where(valid, pair // top_k, 0)
+        expert = tl.load(block_expert_ptr + block)
+        n_mask = n < inner
+        gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, latent, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < latent
+            a = tl.load(
+                a_ptr + token[:, None] * stride_am + k[None, :],
+                mask=valid[:, None] & k_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            w_gate = _load_weight_tile(
+                w_ptr,
+                s_ptr,
+                expert,
+                n,
+                k,
+                stride_we,
+                stride_wn,
+                stride_se,
+                stride_sn,
+                n_mask,
+                k_mask,
+                FMT,
+            )
+            w_up = _load_weight_tile(
+                w_ptr,
+                s_ptr,
+                expert,
+                n + inner,
+                k,
+                stride_we,
+                stride_wn,
+                stride_se,
+                stride_sn,
+                n_mask,
+                k_mask,
+                FMT,
+            )
+            gate += tl.dot(a, tl.trans(w_gate), input_precision="ieee")
+            up += tl.dot(a, tl.trans(w_up), input_precision="ieee")
+        a_scale = tl.load(a_scale_ptr + token, mask=valid, other=0.0)
+        gate = gate * a_scale[:, None]
+        up = up * a_scale[:, None]
+        # SiTU-GLU: beta·tanh(g/beta)·sigmoid(g) · linear_beta·tanh(u/linear_beta)
+        tanh_g = 2.0 * tl.sigmoid(2.0 * gate / beta) - 1.0
+        tanh_u = 2.0 * tl.sigmoid(2.0 * up / linear_beta) - 1.0
+        h = beta * tanh_g * tl.sigmoid(gate) * linear_beta * tanh_u
+        tl.store(
+            h_ptr + m[:, None] * stride_hm + n[None, :],
+            h,
+            mask=valid[:, None] & n_mask[None, :],
+        )
+
+    @triton.jit
+    def _down_combine(
+        h_ptr,
+        h_scale_ptr,
+        rows_ptr,
+        block_expert_ptr,
+        w_ptr,
+        s_ptr,
+        routing_ptr,
+        out_ptr,
+        top_k,
+        latent,
+        inner,
+        stride_hm,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_om,
+        FMT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(rows_ptr + m)
+        valid = pair >= 0
+        token = tl.where(valid, pair // top_k, 0)
+        expert = tl.load(block_expert_ptr + block)
+        n_mask = n < latent
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, inner, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < inner
+            h = tl.load(
+                h_ptr + m[:, None] * stride_hm + k[None, :],
+                mask=valid[:, None] & k_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            w = _load_weight_tile(
+                w_ptr,
+                s_ptr,
+                expert,
+                n,
+                k,
+                stride_we,
+                stride_wn,
+                stride_se,
+                stride_sn,
+                n_mask,
+                k_mask,
+                FMT,
+            )
+            acc += tl.dot(h, tl.trans(w), input_precision="ieee")
+        h_scale = tl.load(h_scale_ptr + m, mask=valid, other=0.0)
+        routing = tl.load(routing_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+        acc = acc * (h_scale * routing)[:, None]
+        tl.atomic_add(
+            out_ptr + token[:, None] * stride_om + n[None, :],
+            acc,
+            mask=valid[:, None] & n_mask[None, :],
+        )
+
+
+def latent_moe(
+    z: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: ExpertWeights,
+    *,
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+    block_m: int = 16,
+    block_n: int = 32,
+    block_k: int = 32,
+) -> torch.Tensor:
+    """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
+    the reference)."""
+    if triton is None or not triton_usable(z.device) or experts.fmt not in FORMATS:
+        return latent_moe_reference(
+            z, ids, weights, experts, beta=beta, linear_beta=linear_beta
+        )
+    tokens, latent = z.shape
+    top_k = ids.shape[1]
+    num_experts = experts.w13.shape[0]
+    inner = experts.w13.shape[1] // 2
+    fmt = FORMATS[experts.fmt]
+    z_q, z_scale = quantize_per_row(z)
+    rows, block_expert = sort_by_expert(ids, num_experts, block_m)
+    out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
+    if rows.numel() == 0:
+        return out
+    h = torch.zeros(rows.numel(), inner, dtype=torch.float32, device=z.device)
+    w13, s13 = experts.w13, experts.w13_scale
+    grid = (rows.numel() // block_m, triton.cdiv(inner, block_n))
+    _gate_up_situ[grid](
+        z_q, z_scale, rows, block_expert, w13, s13, h, top_k, latent, inner,
+        z_q.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        h.stride(0), beta, linear_beta,
+        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    h_q, h_scale = quantize_per_row(h)
+    h_scale = torch.where(rows >= 0, h_scale, torch.zeros_like(h_scale))
+    w2, s2 = experts.w2, experts.w2_scale
+    routing = weights.reshape(-1).float().contiguous()
+    grid = (rows.numel() // block_m, triton.cdiv(latent, block_n))
+    _down_combine[grid](
+        h_q, h_scale, rows, block_expert, w2, s2, routing, out, top_k, latent, inner,
+        h_q.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        out.stride(0),
+        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+def fp8_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+    """fp32 expert weights quantized to FP8 with a scale per output channel."""
+
+    def per_channel(w):
+        peak = w.abs().amax(dim=-1).clamp_min(1e-12)
+        scale = peak / FP8_MAX
+        return (w / scale[..., None]).to(FP8), scale
+
+    w13_q, w13_s = per_channel(w13)
+    w2_q, w2_s = per_channel(w2)
+    return ExpertWeights("fp8", w13_q, w13_s, w2_q, w2_s)
+
+
+def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+    """fp32 expert weights rounded to MXFP4, in the checkpoint's packed layout."""
+    from vllm_k3_plugin.model.reference import mxfp4_encode
+
+    def pack(w):
+        experts, rows, cols = w.shape
+        packed, scale = mxfp4_encode(w.reshape(-1, cols))
+        return packed.reshape(experts, rows, -1), scale.reshape(experts, rows, -1)
+
+    return ExpertWeights("mxfp4", *pack(w13), *pack(w2))
+
+
+__all__ = [
+    "ExpertWeights",
+    "fp8_experts_from",
+    "latent_moe",
+    "latent_moe_reference",
+    "mxfp4_experts_from",
+    "sort_by_expert",
+]
