@@ -189,6 +189,16 @@ if triton is not None:
         return value * tl.exp2(e8m0 - 127.0)
 
     @triton.jit
+    def _block_rows(rows_ptr, block_expert_ptr, top_k, BLOCK_M: tl.constexpr):
+        """This program's padded rows: (row, pair, valid, token, expert)."""
+        block = tl.program_id(0)
+        m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(rows_ptr + m)
+        valid = pair >= 0
+        token = tl.where(valid, pair // top_k, 0)
+        return m, pair, valid, token, tl.load(block_expert_ptr + block)
+
+    @triton.jit
     def _gate_up_situ(
         a_ptr,
         a_scale_ptr,
@@ -213,13 +223,10 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        block = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(rows_ptr + m)
-        valid = pair >= 0
-        token = tl.where(valid, pair // top_k, 0)
-        expert = tl.load(block_expert_ptr + block)
+        m, _pair, valid, token, expert = _block_rows(
+            rows_ptr, block_expert_ptr, top_k, BLOCK_M
+        )
         n_mask = n < inner
         gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -298,13 +305,10 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        block = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(rows_ptr + m)
-        valid = pair >= 0
-        token = tl.where(valid, pair // top_k, 0)
-        expert = tl.load(block_expert_ptr + block)
+        m, pair, valid, token, expert = _block_rows(
+            rows_ptr, block_expert_ptr, top_k, BLOCK_M
+        )
         n_mask = n < latent
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, inner, BLOCK_K):
