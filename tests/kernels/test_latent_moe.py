@@ -74,3 +74,22 @@ def test_sort_by_expert_groups_and_pads():
     rows, block_expert = moe.sort_by_expert(ids, 5, block_m=2)
     assert block_expert.tolist() == [0, 1, 3, 3]
     assert rows.tolist() == [3, -1, 1, 2, 0, 4, 5, -1]
+
+
+def test_gpu_benchmark_script_runs_its_smoke_shapes():
+    """The benchmark's plumbing, on tiny shapes under the interpreter (the figures
+    come from a GPU run)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_kernels.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("| mla_decode |") == 1
+    assert run.stdout.count("| latent_moe[") == 2

@@ -1,0 +1,247 @@
+"""GPU benchmark of the Kimi-K3 Triton kernels against vLLM's own, in one process.
+
+    python benchmarks/bench_kernels.py [--json OUT]  # on a CUDA / ROCm GPU
+    python benchmarks/bench_kernels.py --smoke       # tiny shapes, CPU interpreter
+
+For each kernel and shape it prints the time, achieved TB/s and TFLOP/s, the fraction
+of the chip's roofline (MI355X: 8 TB/s, ~5 PFLOP/s dense FP8; H200: 4.8 TB/s, ~1.98
+PFLOP/s dense FP8), and the ratio against vLLM's Triton kernel for the same job
+(``decode_attention_fwd`` for MLA decode, ``fused_experts`` for the MoE), when that
+kernel runs here; a baseline that fails is reported, not hidden.
+
+Bytes are what the job must read and write at least (the FP8 cache rows of every
+sequence; each used expert's weights once, plus activations); FLOPs are the GEMM
+multiply-adds counted as two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+ROOFLINES = {  # (bytes/s, dense FP8 FLOP/s)
+    "MI355X": (8.0e12, 5.0e15),
+    "MI300X": (5.3e12, 2.6e15),
+    "H200": (4.8e12, 1.979e15),
+    "H100": (3.35e12, 1.979e15),
+}
+
+
+def roofline(device_name: str) -> tuple[float, float] | None:
+    for key, value in ROOFLINES.items():
+        if key.lower() in device_name.lower().replace(" ", ""):
+            return value
+    return None
+
+
+def timed(run, *, warmup: int, repeats: int, cuda: bool) -> float:
+    """Median seconds of ``run()``."""
+    import torch
+
+    for _ in range(warmup):
+        run()
+    samples = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def mla_cases(smoke: bool):
+    if smoke:
+        return [(2, 64, 16)]
+    return [(b, ctx, 16) for b in (1, 32, 128) for ctx in (4096, 32768, 131072)]
+
+
+def moe_cases(smoke: bool):
+    if smoke:
+        return [(4, 8, 2, 64, 32)]
+    # tokens, experts per device (896 over EP8), top-k, latent, inner
+    return [(t, 112, 16, 3584, 3072) for t in (1, 16, 256, 4096)]
+
+
+def bench_mla(device, smoke, warmup, repeats):
+    import torch
+
+    from k3_triton_kernels import mla_decode as k
+
+    rows = []
+    heads, dv, dpe, page = 16, 512, 64, 64
+    for batch, context, heads in mla_cases(smoke):
+        pages_per_seq = math.ceil(context / page)
+        cache = torch.randn(batch * pages_per_seq, page, dv + dpe, device=device).to(
+            k.FP8_DTYPES[0]
+        )
+        table = torch.arange(batch * pages_per_seq, device=device, dtype=torch.int32)
+        table = table.view(batch, pages_per_seq)
+        lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+        q = torch.randn(batch, 1, heads, dv + dpe, device=device)
+        cuda = device.type == "cuda"
+        ours = timed(
+            lambda q=q, cache=cache, table=table, lens=lens: k.mla_decode(
+                q, cache, table, lens, kv_scale=1.0
+            ),
+            warmup=warmup,
+            repeats=repeats,
+            cuda=cuda,
+        )
+        moved = (
+            batch * context * (dv + dpe) * 1 + q.numel() * 4 + batch * heads * dv * 4
+        )
+        flops = 2 * batch * heads * context * ((dv + dpe) + dv)
+        row = {
+            "kernel": "mla_decode",
+            "shape": f"B={batch} ctx={context} H={heads}",
+            "s": ours,
+            "bytes": moved,
+            "flops": flops,
+        }
+        row["vllm_s"], row["vllm_note"] = _vllm_mla(
+            q, cache, table, lens, warmup, repeats, cuda
+        )
+        rows.append(row)
+    return rows
+
+
+def _vllm_mla(q, cache, table, lens, warmup, repeats, cuda):
+    """vLLM's ``decode_attention_fwd`` on the same cache (MLA form: K = the latent,
+    V = its first 512 channels)."""
+    if not cuda:
+        return None, "vLLM's Triton kernels need a GPU"
+    try:
+        import torch
+        from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+
+        batch, _, heads, width = q.shape
+        page = cache.shape[1]
+        splits = 8
+        k_buffer = cache.view(-1, page, 1, width)
+        v_buffer = k_buffer[..., :512]
+        out = torch.empty(batch, heads, 512, device=q.device, dtype=torch.bfloat16)
+        lse = torch.empty(batch, heads, device=q.device, dtype=torch.float32)
+        logits = torch.empty(batch, heads, splits, 513, device=q.device)
+        q2 = q[:, 0].to(torch.bfloat16).contiguous()
+
+        def run():
+            decode_attention_fwd(
+                q2, k_buffer, v_buffer, out, lse, table, lens, logits, splits,
+                1 / math.sqrt(192), page_size=page, is_mla=True,
+            )  # fmt: skip
+
+        return timed(run, warmup=warmup, repeats=repeats, cuda=True), ""
+    except Exception as error:  # a baseline that does not run is reported
+        return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
+
+
+def bench_moe(device, smoke, warmup, repeats):
+    import torch
+
+    from k3_triton_kernels import latent_moe as moe
+    from vllm_k3_plugin.model.reference import route
+
+    rows = []
+    for tokens, experts, top_k, latent, inner in moe_cases(smoke):
+        torch.manual_seed(0)
+        z = torch.randn(tokens, latent, device=device)
+        w13 = torch.randn(experts, 2 * inner, latent, device=device) / latent**0.5
+        w2 = torch.randn(experts, latent, inner, device=device) / inner**0.5
+        weights, ids = route(
+            torch.randn(tokens, experts, device=device),
+            torch.zeros(experts, device=device),
+            top_k,
+        )
+        cuda = device.type == "cuda"
+        for fmt, build in (
+            ("fp8", moe.fp8_experts_from),
+            ("mxfp4", moe.mxfp4_experts_from),
+        ):
+            packed = build(w13, w2)
+            seconds = timed(
+                lambda packed=packed, z=z, ids=ids, weights=weights: moe.latent_moe(
+                    z, ids, weights, packed
+                ),
+                warmup=warmup,
+                repeats=repeats,
+                cuda=cuda,
+            )
+            used = len(ids.unique())
+            per_weight = 1 if fmt == "fp8" else 0.5 + 1 / 32
+            moved = used * 3 * inner * latent * per_weight + tokens * latent * (1 + 4)
+            flops = 2 * tokens * top_k * (latent * 2 * inner + inner * latent)
+            row = {
+                "kernel": f"latent_moe[{fmt}]",
+                "shape": f"T={tokens} E={experts} k={top_k} L={latent} I={inner}",
+                "s": seconds,
+                "bytes": moved,
+                "flops": flops,
+                "vllm_s": None,
+                "vllm_note": "vLLM's fused_experts has no SiTU / latent-norm form; "
+                "baseline not comparable"
+                if fmt == "fp8"
+                else "no vLLM W4A8 MXFP4 baseline",
+            }
+            rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU interpreter"
+    )
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    device = torch.device(
+        "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    )
+    name = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else "CPU (Triton interpreter)"
+    )
+    peak = roofline(name)
+    warmup, repeats = (0, 1) if args.smoke else (args.warmup, args.repeats)
+    rows = bench_mla(device, args.smoke, warmup, repeats)
+    rows += bench_moe(device, args.smoke, warmup, repeats)
+    print(f"{name}\n")
+    print(
+        "| kernel | shape | µs | TB/s | TFLOP/s | % HBM roofline | % FP8 roofline "
+        "| vs vLLM |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        tbs = r["bytes"] / r["s"] / 1e12
+        tflops = r["flops"] / r["s"] / 1e12
+        bw = f"{100 * tbs * 1e12 / peak[0]:.0f}%" if peak else "-"
+        fl = f"{100 * tflops * 1e12 / peak[1]:.1f}%" if peak else "-"
+        versus = (
+            f"{r['vllm_s'] / r['s']:.2f}x faster" if r["vllm_s"] else r["vllm_note"]
+        )
+        print(
+            f"| {r['kernel']} | {r['shape']} | {r['s'] * 1e6:.1f} | {tbs:.3f} "
+            f"| {tflops:.2f} | {bw} | {fl} | {versus} |"
+        )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"device": name, "rows": rows}, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
