@@ -174,3 +174,15 @@ def test_capture_killed_midway_and_resumed(k3_server, hf_tokenizer, tmp_path):
     assert 1 <= written < len(lines)  # it really was interrupted midway
     assert cli.main([*argv, "--out", str(resumed), "--no-progress"]) == 0
     assert resumed.read_bytes() == whole.read_bytes()
+
+
+def test_resume_cuts_a_torn_utf8_line_and_refuses_a_bad_middle_line(tmp_path):
+    out = tmp_path / "raw.jsonl"
+    line = json.dumps({"id": "a", "text": "é"}, ensure_ascii=False).encode() + b"\n"
+    torn = json.dumps({"id": "b", "text": "é"}, ensure_ascii=False).encode()
+    out.write_bytes(line + b"\n" + torn[: torn.index("é".encode()) + 1])
+    assert done_ids(out) == ["a"]
+    assert out.read_bytes() == line + b"\n"
+    out.write_bytes(line + b'{"no": "id"}\n' + line.replace(b'"a"', b'"c"'))
+    with pytest.raises(CaptureError, match=r"raw.jsonl:2: not a captured output"):
+        done_ids(out)

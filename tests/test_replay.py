@@ -188,3 +188,15 @@ def test_ten_thousand_outputs_of_20_kb(tmp_path):
     # The file is 200 MB; the replay holds one output at a time.
     assert figures["rss_peak_kb"] - figures["rss_before_kb"] < 64 * 1024
     assert path.stat().st_size > 190e6
+
+
+def test_invalid_utf8_is_a_malformed_line(capsys, tmp_path):
+    raw = tmp_path / "raw.jsonl"
+    good = json.dumps({"id": "a", "text": "Hi.", "thinking": "false"}) + "\n"
+    raw.write_bytes(good.encode() + b'{"id": "b", "text": "\xff"}\n' + good.encode())
+    code, out, _ = _run(capsys, "replay", str(raw))
+    assert code == 0
+    assert out.startswith("2 outputs from")
+    assert f"skipped malformed line {raw}:2: not UTF-8" in out
+    # "thinking": "false" is read as false: the text is the reply, not a thought.
+    assert "| answered | 2 |" in out

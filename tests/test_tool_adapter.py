@@ -258,3 +258,46 @@ def test_bare_tool_parser_reads_content_and_calls(hf_tokenizer):
         "get_weather",
         '{"city": "Paris"}',
     )
+
+
+# -- found in review ----------------------------------------------------------------
+
+
+def test_bare_tool_parser_sends_a_skipped_channel_once(hf_tokenizer):
+    request = _request()
+    output = vocab.THINK_START + "Hello." + vocab.RESPONSE_END + vocab.MESSAGE_END
+    whole = K3ToolParser(hf_tokenizer, request.tools).extract_tool_calls(
+        output, request
+    )
+    assert whole.content == "Hello."
+    parser = K3ToolParser(hf_tokenizer, request.tools)
+    streamed = ""
+    for char in output:
+        delta = parser.extract_tool_calls_streaming("", "", char, (), (), (), request)
+        streamed += (delta.content or "") if delta else ""
+    assert streamed == "Hello."
+
+
+def test_whitespace_before_a_cut_call_is_the_same_streamed_and_not(hf_tokenizer):
+    output = "  " + vocab.RESPONSE_END + vocab.TOOLS_START
+    output += (
+        '<|open|>call tool="get_weather"<|sep|><|open|>argument key="city"<|sep|>Pa'
+    )
+    ids = _ids(hf_tokenizer, output, stop=False)
+    whole, streamed = _both(
+        hf_tokenizer, ids, _request(max_tokens=len(ids)), thinking=False
+    )
+    assert streamed.content == whole.content
+
+
+def test_a_call_written_without_its_tools_channel_is_a_call(hf_tokenizer):
+    output = "Sure." + vocab.RESPONSE_END
+    output += render_tools([WEATHER_CALL_ARGS])[
+        len(vocab.TOOLS_START) : -len(vocab.TOOLS_END)
+    ]
+    output += vocab.MESSAGE_END
+    whole, streamed = _both(
+        hf_tokenizer, _ids(hf_tokenizer, output), _request(), thinking=False
+    )
+    assert (whole.content, whole.tool_calls) == ("Sure.", (WEATHER,))
+    assert streamed == whole

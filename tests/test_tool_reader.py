@@ -499,3 +499,44 @@ def test_dropped_events_name_their_call():
     markup = vocab.TOOLS_START + _call("f", f"{OPEN}argument{SEP}x{vocab.ARGUMENT_END}")
     _, dropped = read_calls(markup)
     assert dropped == [Dropped(0, "an argument without a key")]
+
+
+# -- found in review ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", ["1e400", "-1e999", '{"a": [1e400]}'])
+def test_numbers_that_overflow_are_raw_strings(raw):
+    markup = _tools(_call("f", _arg("x", "number", raw)))
+    (call,), _ = read_calls(markup)
+    assert "Infinity" not in call.arguments
+    assert json.loads(call.arguments) == {"x": raw}
+
+
+def test_escaped_lone_surrogates_stay_escaped():
+    markup = _tools(_call("f", _arg("o", "object", '{"s": "\\ud800"}')))
+    (call,), _ = read_calls(markup)
+    call.arguments.encode("utf-8")  # a raw surrogate would not encode
+    assert json.loads(call.arguments) == {"o": {"s": "\ud800"}}
+
+
+def test_a_closer_that_begins_like_the_call_closer_is_an_unknown_element():
+    body = f"{OPEN}call_meta{SEP}x{CLOSE}call_meta{SEP}" + _arg("a", "number", "1")
+    assert _args_of(_tools(_call("f", body))) == [("f", {"a": 1})]
+    # Fed one character at a time, the same.
+    markup = _tools(_call("f", body))
+    assert collect_calls(_streamed(list(markup))) == read_calls(markup)[0]
+
+
+def test_an_overlong_call_opener_still_closes_the_open_call():
+    markup = (
+        vocab.TOOLS_START
+        + f'{OPEN}call tool="a"{SEP}'
+        + _arg("x", "number", "1")
+        + f'{OPEN}call tool="{"y" * (MAX_TAG_CHARS + 1)}"{SEP}'
+        + _arg("z", "number", "2")
+        + vocab.CALL_END
+        + vocab.TOOLS_END
+    )
+    calls, dropped = read_calls(markup)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1})]
+    assert "longer than" in dropped[0].reason

@@ -71,21 +71,39 @@ def read_requests(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return requests
 
 
+def _captured_id(raw: bytes) -> str | None:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if isinstance(record, dict) and isinstance(record.get("id"), str):
+        return record["id"]
+    return None
+
+
 def done_ids(out: Path) -> list[str]:
-    """Ids already captured in ``out``; a torn last line is cut off the file."""
+    """Ids already captured in ``out``. A torn last line (cut mid-write: no newline,
+    or not a whole record) is cut off the file; a bad line before the last is an
+    error, not something to overwrite."""
     if not out.exists():
         return []
     ids: list[str] = []
     keep = 0
+    bad_line: int | None = None
     with out.open("rb") as lines:
-        for raw in lines:
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError:
-                break
-            if not raw.endswith(b"\n"):
-                break
-            ids.append(record["id"])
+        for number, raw in enumerate(lines, start=1):
+            if bad_line is not None:
+                raise CaptureError(
+                    f"{out}:{bad_line}: not a captured output; not resuming"
+                )
+            if not raw.strip():
+                keep += len(raw)
+                continue
+            request_id = _captured_id(raw) if raw.endswith(b"\n") else None
+            if request_id is None:
+                bad_line = number
+                continue
+            ids.append(request_id)
             keep += len(raw)
     with out.open("r+b") as handle:
         handle.truncate(keep)
@@ -107,7 +125,7 @@ async def _capture_one(client, base_url: str, model: str, request_id: str, body)
     }
     rendered = await client.post(f"{base_url}/tokenize", json=render)
     _check(rendered, request_id, "/tokenize")
-    rendering = rendered.json()
+    rendering = _json(rendered, request_id, "/tokenize")
     prompt_ids = rendering["tokens"]
     completion = {
         "model": model,
@@ -119,7 +137,10 @@ async def _capture_one(client, base_url: str, model: str, request_id: str, body)
     }
     response = await client.post(f"{base_url}/v1/completions", json=completion)
     _check(response, request_id, "/v1/completions")
-    choice = response.json()["choices"][0]
+    choices = _json(response, request_id, "/v1/completions").get("choices") or [{}]
+    choice = choices[0]
+    if not isinstance(choice.get("text"), str):
+        raise CaptureError(f"request {request_id!r}: /v1/completions returned no text")
     return {
         "id": request_id,
         "text": choice["text"],
@@ -140,7 +161,20 @@ def _check(response, request_id: str, what: str) -> None:
 async def _served_model(client, base_url: str) -> str:
     response = await client.get(f"{base_url}/v1/models")
     _check(response, "-", "/v1/models")
-    return response.json()["data"][0]["id"]
+    models = _json(response, "-", "/v1/models").get("data") or []
+    if not models:
+        raise CaptureError(f"{base_url}/v1/models lists no model")
+    return models[0]["id"]
+
+
+def _json(response, request_id: str, what: str) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise CaptureError(f"request {request_id!r}: {what} did not answer JSON")
+    return body
 
 
 def _progress(total: int, initial: int) -> Any:
@@ -205,9 +239,14 @@ async def capture(
 
 def json_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """``(line number, value, error)`` per non-blank line of a JSONL file, streamed."""
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield number, None, f"not UTF-8 (byte {error.start})"
                 continue
             try:
                 yield number, json.loads(line), None

@@ -66,8 +66,11 @@ class Reading(NamedTuple):
 
 _THINK_EXITS = frozenset(vocab.THINK_EXITS)
 # Markers that change the think channel's state; all other framing there is dropped.
+# In the reply, a call opener without its tools channel opens one (the think channel
+# ends only at the markers of rule 3, which the engine's id-level answer also knows).
+_TOOLS_OPENERS = frozenset({vocab.TOOLS_START, vocab.CALL_START_UNWRAPPED})
 _THINK_STATE_MARKERS = _THINK_EXITS | {vocab.TOOLS_START, vocab.RESPONSE_END}
-_RESPONSE_STATE_MARKERS = frozenset({vocab.TOOLS_START})
+_RESPONSE_STATE_MARKERS = _TOOLS_OPENERS
 _ATOMS = tuple(vocab.ADDED_TOKENS)
 
 
@@ -298,7 +301,7 @@ class ReasoningReader:
     # -- response channel ---------------------------------------------------------
 
     def _response_marker(self, marker: str) -> None:
-        if marker == vocab.TOOLS_START:
+        if marker in _TOOLS_OPENERS:
             self._enter_tools(marker)
         elif self._at_offset_zero and marker == vocab.THINK_START:
             # A thinking-off output that opens its own think channel.

@@ -132,11 +132,18 @@ def file_outputs(path: Path, malformed: list[str]) -> Iterator[Output]:
             str(record.get("id", f"line-{number}")),
             record["text"],
             str(record.get("finish_reason") or "stop"),
-            bool(record.get("thinking", True)),
+            _flag(record.get("thinking", True)),
             record.get("token_ids"),
         )
     if count == 0 and not malformed:
         raise ReplayError(f"{path}: empty (no outputs to replay)")
+
+
+def _flag(value: Any) -> bool:
+    """A JSON boolean; the strings "true"/"false" read as such."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("false", "0", "no", "")
+    return bool(value)
 
 
 class VllmReader:

@@ -99,7 +99,6 @@ class _Args(enum.Enum):
 
 # Closers of enclosing elements: they end an open value and call.
 _BOUNDARIES = frozenset({vocab.TOOLS_END, vocab.MESSAGE_END, vocab.END_OF_MSG})
-_CALL_ENDS = frozenset({vocab.CALL_END, vocab.CALL_END_UNSEPARATED})
 # The stop token never reaches the text as a token (vLLM drops it), so inside a value
 # its spelling is the value's own text.
 _VALUE_BREAKS = frozenset({vocab.TOOLS_END, vocab.MESSAGE_END, vocab.CALL_END})
@@ -116,15 +115,18 @@ def _reject_constant(name: str) -> object:
 
 def typed_value_json(raw: str) -> str:
     """A non-string argument's JSON text: the value re-serialized, or the raw text as
-    a JSON string when it is not valid JSON."""
+    a JSON string when it is not valid JSON (including numbers that overflow to
+    infinity). Escaped lone surrogates stay escaped, so the text encodes as UTF-8."""
     try:
         value = json.loads(raw, parse_constant=_reject_constant)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError):
         return _json_text(raw)
     try:
-        return _json_text(value)
-    except (ValueError, RecursionError):
-        return _json_text(raw)
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value, allow_nan=False)
+    return text
 
 
 class ToolCallReader:
@@ -134,6 +136,7 @@ class ToolCallReader:
         "_args",
         "_args_started",
         "_call",
+        "_close_pending",
         "_count",
         "_events",
         "_run",
@@ -152,6 +155,9 @@ class ToolCallReader:
         self._state = _State.OUTSIDE
         self._count = 0
         self._call: int | None = None
+        # ``<|close|>call`` without its separator: a call closer unless a name goes
+        # on (``<|close|>call_meta<|sep|>`` closes an unknown element).
+        self._close_pending = False
         self._args = _Args.NONE
         self._args_started = False
         self._value = _Value.STRING
@@ -190,6 +196,9 @@ class ToolCallReader:
             return []
         self._events = events = []
         self._scanner.finish()
+        if self._close_pending:
+            self._close_pending = False
+            self._end_call()
         self._flush()
         if self._call is not None:
             events.append(Dropped(self._call, "cut off before its closer"))
@@ -220,6 +229,11 @@ class ToolCallReader:
     def _on_text(self, text: str) -> None:
         if not text:
             return
+        if self._close_pending:
+            self._close_pending = False
+            if text[0].isalnum() or text[0] in "_-.":
+                return  # the closer of an unknown element: framing
+            self._end_call()
         if self._tag is not None:
             if self._tag_chars <= MAX_TAG_CHARS:
                 self._tag.append(text)
@@ -229,6 +243,9 @@ class ToolCallReader:
         # Text anywhere else is framing between elements, or a skipped value.
 
     def _on_marker(self, marker: str) -> None:
+        if self._close_pending:
+            self._close_pending = False
+            self._end_call()
         if self._tag is not None:
             tag, self._tag = self._tag, None
             if marker == vocab.SEP:
@@ -249,13 +266,19 @@ class ToolCallReader:
         if marker == vocab.OPEN:
             self._tag = []
             self._tag_chars = 0
-        elif marker in _CALL_ENDS or marker in _BOUNDARIES:
+        elif marker == vocab.CALL_END_UNSEPARATED:
+            self._close_pending = True
+        elif marker == vocab.CALL_END or marker in _BOUNDARIES:
             self._end_call()
         # Other closers, separators and the channel opener are framing here.
 
     def _on_opener(self, tag: str) -> None:
         if self._tag_chars > MAX_TAG_CHARS:
             self._drop(f"an opener longer than {MAX_TAG_CHARS} characters")
+            if tag.split(None, 1)[:1] == [vocab.CALL]:
+                # A new call all the same: the open one ends; this one is skipped.
+                self._end_call()
+                self._state = _State.SKIP_CALL
             return
         name, attributes = parse_tag(tag)
         state = self._state

@@ -42,6 +42,9 @@ CALL_END = closer("call")
 # Seen in the wild: the call closer without its separator.
 CALL_END_UNSEPARATED = f"{CLOSE}call"
 ARGUMENT_END = closer("argument")
+# A call opener written in the reply without the tools channel around it (its
+# attributes follow the space): read as the start of a tools channel.
+CALL_START_UNWRAPPED = f"{OPEN}call "
 JSON_END = closer("json")
 ASSISTANT_START = opener("message", 'role="assistant"')
 MESSAGE_END = closer("message")
@@ -114,6 +117,7 @@ REASONING_MARKERS = (
     RESPONSE_START,
     RESPONSE_END,
     TOOLS_START,
+    CALL_START_UNWRAPPED,
     *FRAMING,
 )
 

@@ -38,6 +38,7 @@ from vllm.tool_parsers.kimi_k3_tool_parser import KimiK3ToolParser
 from vllm_k3_plugin.reasoning_reader import Channel, ReasoningReader, collect
 from vllm_k3_plugin.tool_reader import (
     ArgumentsDelta,
+    CallClosed,
     CallOpened,
     Dropped,
     ToolCallReader,
@@ -113,7 +114,6 @@ class ToolCallStream:
             if kind is CallOpened:
                 self._check_declared(event.name)
                 self._names[event.index] = event.name
-                self.calls_made = True
                 deltas.append(
                     DeltaToolCall.model_construct(
                         index=event.index,
@@ -138,6 +138,9 @@ class ToolCallStream:
                             ),
                         )
                     )
+            elif kind is CallClosed:
+                # As the whole read counts them: a call cut off is not a call made.
+                self.calls_made = True
             elif kind is Dropped:
                 log_dropped(event)
         return deltas
@@ -194,7 +197,8 @@ class K3ToolParser(KimiK3ToolParser):
 
     Driven bare (no ``kimi_k3`` reasoning parser in front), the text it gets is read
     from the response channel: framing is stripped, a think channel the model opens
-    itself is content, and the tools channel becomes calls.
+    itself is content (once: the bare API never says how the output ended, so
+    nothing is replayed), and the tools channel becomes calls.
     """
 
     def __init__(self, tokenizer: Any, tools: list[Any] | None = None) -> None:
@@ -205,8 +209,10 @@ class K3ToolParser(KimiK3ToolParser):
     def extract_tool_calls(
         self, model_output: str, request: Any
     ) -> ExtractedToolCallInformation:
+        # Read as the bare streaming API reads (it never learns how the output
+        # ended): a think channel's text streams once, as it would live.
         reader = ReasoningReader(start=Channel.RESPONSE)
-        events = reader.feed(model_output) + reader.finish(stopped=True)
+        events = reader.feed(model_output) + reader.finish(stopped=False)
         reading = collect(events)
         content = (reading.reasoning + reading.content) or None
         calls = read_function_calls(reading.tool_markup, request)
