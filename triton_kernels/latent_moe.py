@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from k3_triton_kernels.mla_decode import triton_usable
+from vllm_k3_plugin.model.reference import mxfp4_decode, mxfp4_encode, situ_glu
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
@@ -46,19 +47,10 @@ class ExpertWeights(NamedTuple):
 
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 with one scale per row: ``(values, scale [rows])``."""
+    """FP8 with one scale per row (the last dim): ``(values, scale [...])``."""
     peak = x.float().abs().amax(dim=-1).clamp_min(1e-12)
     scale = peak / FP8_MAX
-    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def _situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float):
-    return (
-        beta
-        * torch.tanh(gate / beta)
-        * torch.sigmoid(gate)
-        * (linear_beta * torch.tanh(up / linear_beta))
-    )
+    return (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def dequantize(weights: ExpertWeights, which: str) -> torch.Tensor:
@@ -67,8 +59,6 @@ def dequantize(weights: ExpertWeights, which: str) -> torch.Tensor:
     scale = getattr(weights, which + "_scale")
     if weights.fmt == "fp8":
         return values.float() * scale.float()[..., None]
-    from vllm_k3_plugin.model.reference import mxfp4_decode
-
     experts, rows, half = values.shape
     flat = mxfp4_decode(values.reshape(-1, half), scale.reshape(experts * rows, -1))
     return flat.reshape(experts, rows, half * 2)
@@ -96,7 +86,7 @@ def latent_moe_reference(
     for expert in ids.unique().tolist():
         rows, slots = (ids == expert).nonzero(as_tuple=True)
         gate_up = z_deq[rows] @ w13[expert].T
-        h = _situ(gate_up[:, :inner], gate_up[:, inner:], beta, linear_beta)
+        h = situ_glu(gate_up[:, :inner], gate_up[:, inner:], beta, linear_beta)
         h_q, h_scale = quantize_per_row(h)
         down = (h_q.float() * h_scale[:, None]) @ w2[expert].T
         out.index_add_(0, rows, weights[rows, slots, None].float() * down)
@@ -397,20 +387,11 @@ def latent_moe(
 
 def fp8_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
     """fp32 expert weights quantized to FP8 with a scale per output channel."""
-
-    def per_channel(w):
-        peak = w.abs().amax(dim=-1).clamp_min(1e-12)
-        scale = peak / FP8_MAX
-        return (w / scale[..., None]).to(FP8), scale
-
-    w13_q, w13_s = per_channel(w13)
-    w2_q, w2_s = per_channel(w2)
-    return ExpertWeights("fp8", w13_q, w13_s, w2_q, w2_s)
+    return ExpertWeights("fp8", *quantize_per_row(w13), *quantize_per_row(w2))
 
 
 def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
     """fp32 expert weights rounded to MXFP4, in the checkpoint's packed layout."""
-    from vllm_k3_plugin.model.reference import mxfp4_encode
 
     def pack(w):
         experts, rows, cols = w.shape

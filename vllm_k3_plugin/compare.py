@@ -201,7 +201,7 @@ def parse_streamed(
     deltas = delta_texts(tokenizer, ids)
     reasoning: list[str] = []
     content: list[str] = []
-    calls: dict[int, list[str]] = {}
+    calls: dict[int, tuple[list[str], list[str]]] = {}
     ids_by_index: dict[int, str | None] = {}
     last = len(ids) - 1
     for i, (token, text) in enumerate(zip(ids, deltas)):
@@ -213,14 +213,15 @@ def parse_streamed(
         reasoning.append(delta.reasoning or "")
         content.append(delta.content or "")
         for call in delta.tool_calls or ():
-            entry = calls.setdefault(call.index, ["", ""])
+            # Pieces in lists: a growing string per token would be quadratic.
+            names, pieces = calls.setdefault(call.index, ([], []))
             ids_by_index.setdefault(call.index, call.id)
             if call.function is not None:
-                entry[0] += call.function.name or ""
-                entry[1] += call.function.arguments or ""
+                names.append(call.function.name or "")
+                pieces.append(call.function.arguments or "")
     return Parsed(
         "".join(reasoning),
         "".join(content),
-        tuple((name, args) for name, args in (calls[i] for i in sorted(calls))),
+        tuple(("".join(calls[i][0]), "".join(calls[i][1])) for i in sorted(calls)),
         tuple(ids_by_index[i] for i in sorted(calls)),
     )

@@ -169,10 +169,6 @@ class ToolCallReader:
         self._events: list[ToolEvent] = []
         self._run: list[str] = []
 
-    @property
-    def calls_opened(self) -> int:
-        return self._count
-
     def feed(self, text: str) -> list[ToolEvent]:
         if self._state is _State.DONE:
             raise RuntimeError("feed() after finish()")

@@ -79,24 +79,35 @@ def declared_tool_names(request: Any) -> frozenset[str] | None:
     return frozenset(names)
 
 
+class UndeclaredTools:
+    """Warns, once per request, of a call to a tool the request does not declare."""
+
+    __slots__ = ("_declared", "_warned")
+
+    def __init__(self, request: Any) -> None:
+        self._declared = declared_tool_names(request)
+        self._warned = False
+
+    def check(self, name: str) -> None:
+        if self._warned or self._declared is None or name in self._declared:
+            return
+        self._warned = True
+        logger.warning(
+            "kimi_k3: the model called %r, which the request does not declare; "
+            "returning the call as written",
+            name,
+        )
+
+
 class ToolCallStream:
     """One request's tool calls as deltas; shared by ``K3Parser`` and the bare API."""
 
-    __slots__ = (
-        "_declared",
-        "_first_number",
-        "_names",
-        "_reader",
-        "_warned",
-        "calls_made",
-    )
+    __slots__ = ("_first_number", "_reader", "_undeclared", "calls_made")
 
     def __init__(self, request: Any) -> None:
         self._reader = ToolCallReader()
         self._first_number = history_call_count(request)
-        self._declared = declared_tool_names(request)
-        self._names: dict[int, str] = {}
-        self._warned = False
+        self._undeclared = UndeclaredTools(request)
         self.calls_made = False
 
     def feed(self, markup: str) -> list[DeltaToolCall]:
@@ -112,8 +123,7 @@ class ToolCallStream:
         for event in events:
             kind = type(event)
             if kind is CallOpened:
-                self._check_declared(event.name)
-                self._names[event.index] = event.name
+                self._undeclared.check(event.name)
                 deltas.append(
                     DeltaToolCall.model_construct(
                         index=event.index,
@@ -145,19 +155,6 @@ class ToolCallStream:
                 log_dropped(event)
         return deltas
 
-    def _check_declared(self, name: str) -> None:
-        if (
-            self._declared is not None
-            and name not in self._declared
-            and not (self._warned)
-        ):
-            self._warned = True
-            logger.warning(
-                "kimi_k3: the model called %r, which the request does not declare; "
-                "returning the call as written",
-                name,
-            )
-
 
 def log_dropped(event: Dropped) -> None:
     where = "" if event.index is None else f" (call {event.index})"
@@ -172,16 +169,9 @@ def read_function_calls(markup: str, request: Any) -> list[FunctionCall]:
     if not calls:
         return []
     first = history_call_count(request)
-    declared = declared_tool_names(request)
-    undeclared = [
-        c.name for c in calls if declared is not None and c.name not in declared
-    ]
-    if undeclared:
-        logger.warning(
-            "kimi_k3: the model called %r, which the request does not declare; "
-            "returning the call as written",
-            undeclared[0],
-        )
+    undeclared = UndeclaredTools(request)
+    for call in calls:
+        undeclared.check(call.name)
     return [
         FunctionCall(
             id=tool_call_id(call.name, first + call.index),
