@@ -50,7 +50,7 @@ def test_one_prefill_equals_chunks_then_single_steps(model):
     assert state.length == len(PROMPT)
     # 4 KDA layers hold state; 2 MLA layers hold one latent per token.
     assert len(state.kda) == 4
-    assert {tuple(c.shape) for c in state.mla.values()} == {(len(PROMPT), 96)}
+    assert {tuple(c.shape) for c in state.mla.values()} == {(len(PROMPT), 576)}
 
 
 def test_two_sequences_do_not_share_state(model):

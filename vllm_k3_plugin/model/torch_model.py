@@ -20,10 +20,7 @@ import torch
 from torch import nn
 
 from vllm_k3_plugin.model import reference as ref
-
-
-class WeightShapeError(ValueError):
-    pass
+from vllm_k3_plugin.model.checkpoint_format import WeightShapeError
 
 
 @dataclass

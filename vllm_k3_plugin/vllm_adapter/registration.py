@@ -17,7 +17,12 @@
    our reasoning parser, we return a ``K3Parser`` subclass with the same reasoning
    and tool parser classes and strict level instead. Anything else passes through.
 
-Both are idempotent: vLLM loads general plugins once per process, but tests and
+4. ``ModelRegistry.register_model`` for ``KimiK3ForConditionalGeneration`` (the
+   published checkpoint's architecture) and ``KimiK3ForCausalLM`` (text only): our
+   model class, imported lazily by the process that builds the model. vLLM logs the
+   override. ``VLLM_K3_MODEL_CLASS=vllm`` keeps vLLM's in-tree class.
+
+All are idempotent: vLLM loads general plugins once per process, but tests and
 embedding code may call ``register()`` again.
 """
 
@@ -35,23 +40,38 @@ def register_all() -> None:
 
     from vllm_k3_plugin import __version__
     from vllm_k3_plugin.compat import check_vllm_version
-    from vllm_k3_plugin.vllm_adapter.settings import replay_policy
+    from vllm_k3_plugin.vllm_adapter.settings import model_class, replay_policy
 
     logger = init_logger("vllm.k3_plugin")
     # An unsupported vLLM or a bad VLLM_K3_REPLAY_POLICY fails here, at process
     # start, not in a request.
     check_vllm_version(getattr(vllm, "__version__", "unknown"), logger.warning)
     policy = replay_policy()
+    models = model_class()
     _register_reasoning_parser()
     _register_tool_parser()
     _wrap_parser_composition()
+    if models == "plugin":
+        _register_model_classes()
     # vLLM configures the ``vllm`` logger tree only; ours must live under it.
     logger.info(
         "vllm-k3-plugin %s: kimi_k3 reasoning and tool parsers registered "
-        "(replay policy: %s)",
+        "(replay policy: %s); Kimi-K3 model class: %s",
         __version__,
         policy.value,
+        MODEL_MODULE if models == "plugin" else "vLLM's in-tree",
     )
+
+
+MODEL_MODULE = "vllm_k3_plugin.vllm_model.model"
+MODEL_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM")
+
+
+def _register_model_classes() -> None:
+    from vllm import ModelRegistry
+
+    for architecture in MODEL_ARCHITECTURES:
+        ModelRegistry.register_model(architecture, f"{MODEL_MODULE}:{architecture}")
 
 
 def _register_reasoning_parser() -> None:

