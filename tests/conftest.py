@@ -87,3 +87,26 @@ def k3_server(tiny_checkpoint, k3_server_log):
 
     with running_server(tiny_checkpoint, k3_server_log) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def tiny_k3_checkpoint(tmp_path_factory):
+    """The tiny Kimi-K3 checkpoint in the real format (``vllm_k3_plugin.tiny``)."""
+    from vllm_k3_plugin.tiny import write_tiny_k3_checkpoint
+
+    return write_tiny_k3_checkpoint(tmp_path_factory.mktemp("tiny-k3"))
+
+
+@pytest.fixture(scope="session")
+def k3_reference_model(tiny_k3_checkpoint):
+    """The plain-PyTorch K3 text model, fp32, loaded from the tiny checkpoint."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from vllm_k3_plugin.model.torch_model import K3TextModel
+
+    config = json.loads((tiny_k3_checkpoint / "config.json").read_text())
+    model = K3TextModel(config["text_config"])
+    model.load_weights(load_file(str(tiny_k3_checkpoint / "model.safetensors")).items())
+    return model.float().eval()

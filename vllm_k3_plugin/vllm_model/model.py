@@ -162,6 +162,8 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
             config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head")
         )
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        if not prefix:
+            _report_class(self, config)
         _note_quantization(vllm_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -273,6 +275,8 @@ class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid):
         self.language_model = KimiK3ForCausalLM(
             vllm_config=vllm_config, prefix=_join(prefix, "language_model")
         )
+        if not prefix:
+            _report_class(self, self.language_model.config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
@@ -331,6 +335,25 @@ def _decode_mxfp4(stem: str, pair: dict[str, torch.Tensor], shape) -> torch.Tens
         f"{stem}.weight_scale", pair["weight_scale"], (rows, cols // ref.MXFP4_BLOCK)
     )
     return ref.mxfp4_decode(pair["weight_packed"], pair["weight_scale"])
+
+
+def _report_class(model: nn.Module, config) -> None:
+    kinds = [
+        "KDA" if is_kda_layer(config.to_dict(), i) else "MLA"
+        for i in range(config.num_hidden_layers)
+    ]
+    logger.info(
+        "Kimi-K3 model class %s.%s: %d layers (%d KDA, %d MLA), attention-residual "
+        "block %d, %d experts (top-%d)",
+        type(model).__module__,
+        type(model).__qualname__,
+        len(kinds),
+        kinds.count("KDA"),
+        kinds.count("MLA"),
+        config.attn_res_block_size,
+        config.num_experts,
+        config.num_experts_per_token,
+    )
 
 
 def _note_quantization(vllm_config: VllmConfig) -> None:

