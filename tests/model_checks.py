@@ -25,8 +25,10 @@ def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(3)
     lengths = [1, 3, 7, 12, 20, 33, 50, 80]
     return [
-        [vocab.BOS_ID]
-        + torch.randint(0, 150_000, (n - 1,), generator=generator).tolist()
+        [
+            vocab.BOS_ID,
+            *torch.randint(0, 150_000, (n - 1,), generator=generator).tolist(),
+        ]
         for n in lengths
     ]
 
