@@ -20,7 +20,8 @@
 4. ``ModelRegistry.register_model`` for ``KimiK3ForConditionalGeneration`` (the
    published checkpoint's architecture) and ``KimiK3ForCausalLM`` (text only): our
    model class, imported lazily by the process that builds the model. vLLM logs the
-   override. ``VLLM_K3_MODEL_CLASS=vllm`` keeps vLLM's in-tree class.
+   override. By default only on the CPU (``VLLM_K3_MODEL_CLASS=plugin`` forces it,
+   ``vllm`` keeps vLLM's in-tree class everywhere).
 
 All are idempotent: vLLM loads general plugins once per process, but tests and
 embedding code may call ``register()`` again.
@@ -47,7 +48,9 @@ def register_all() -> None:
     # start, not in a request.
     check_vllm_version(getattr(vllm, "__version__", "unknown"), logger.warning)
     policy = replay_policy()
-    models = model_class()
+    from vllm.platforms import current_platform
+
+    models = model_class(on_cpu=current_platform.is_cpu())
     _register_reasoning_parser()
     _register_tool_parser()
     _wrap_parser_composition()

@@ -30,10 +30,15 @@ MODEL_CLASS_ENV = "VLLM_K3_MODEL_CLASS"
 MODEL_CLASS_CHOICES = ("plugin", "vllm")
 
 
-def model_class() -> str:
-    """``VLLM_K3_MODEL_CLASS``: ``plugin`` (default: the Kimi-K3 architectures load
-    this package's model class) or ``vllm`` (keep vLLM's in-tree class)."""
-    raw = os.environ.get(MODEL_CLASS_ENV, "plugin").strip().lower()
+def model_class(on_cpu: bool) -> str:
+    """``VLLM_K3_MODEL_CLASS``: ``plugin`` (the Kimi-K3 architectures load this
+    package's model class) or ``vllm`` (keep vLLM's in-tree class).
+
+    The default is ``plugin`` on the CPU and ``vllm`` elsewhere: our class computes
+    with PyTorch paths and decodes the MXFP4 experts to BF16, which the real model
+    cannot afford on GPUs until the Triton kernels are wired in."""
+    default = "plugin" if on_cpu else "vllm"
+    raw = os.environ.get(MODEL_CLASS_ENV, default).strip().lower()
     if raw not in MODEL_CLASS_CHOICES:
         raise ValueError(
             f"{MODEL_CLASS_ENV}={raw!r} is not a model class choice; choose one of "
