@@ -244,3 +244,37 @@ def test_kda_two_sequences_interleaved_in_one_batch(model, vllm_config):
     torch.testing.assert_close(
         torch.cat([a[4:], b[:4]]), alone_second, rtol=0, atol=1e-5
     )
+
+
+def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
+    """``KimiK3ForCausalLM``: a ``kimi_linear`` config, names without the prefix."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_k3_plugin.tiny import write_tiny_k3_checkpoint
+    from vllm_k3_plugin.vllm_adapter.registration import register_all
+    from vllm_k3_plugin.vllm_model.model import KimiK3ForCausalLM
+
+    register_all()
+    checkpoint = write_tiny_k3_checkpoint(tmp_path, text_only=True)
+    config = EngineArgs(
+        model=str(checkpoint),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        enable_prefix_caching=False,
+        hf_overrides={"quantization_config": None},
+    ).create_engine_config()
+    assert config.model_config.architecture == "KimiK3ForCausalLM"
+    model_cls, _ = config.model_config.registry.resolve_model_cls(
+        config.model_config.architecture, model_config=config.model_config
+    )
+    assert model_cls is KimiK3ForCausalLM
+    config.compilation_config.static_forward_context.clear()
+    with set_current_vllm_config(config):
+        model = KimiK3ForCausalLM(vllm_config=config)
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    assert not any(name.startswith("language_model.") for name in weights)
+    assert model.load_weights(weights.items()) == {
+        name for name, _ in model.named_parameters()
+    }

@@ -127,7 +127,20 @@ def k3_config(text: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def write_tiny_k3_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
+def text_only_config(text: dict[str, Any]) -> dict[str, Any]:
+    """A text-only checkpoint's config: the ``kimi_linear`` text config itself."""
+    return {
+        **text,
+        "architectures": ["KimiK3ForCausalLM"],
+        "quantization_config": quantization_config(),
+    }
+
+
+def write_tiny_k3_checkpoint(
+    out_dir: Path, *, seed: int = 0, text_only: bool = False
+) -> Path:
+    """``text_only``: a ``KimiK3ForCausalLM`` checkpoint (text config, names without
+    the ``language_model.`` prefix) instead of the published wrapper."""
     import torch
     from safetensors.torch import save_file
 
@@ -138,6 +151,7 @@ def write_tiny_k3_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     text = tiny_text_config()
+    prefix = "" if text_only else PREFIX
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in dense_weight_shapes(text).items():
@@ -148,14 +162,15 @@ def write_tiny_k3_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
         else:
             fan_in = shape[-1]
             value = torch.randn(shape, generator=generator) / fan_in**0.5
-        tensors[PREFIX + name] = value.to(torch.bfloat16).contiguous()
+        tensors[prefix + name] = value.to(torch.bfloat16).contiguous()
     for name, shape in expert_weight_shapes(text).items():
         weight = torch.randn(shape, generator=generator) / shape[1] ** 0.5
         packed, scale = mxfp4_encode(weight)
-        tensors[f"{PREFIX}{name}.weight_packed"] = packed.contiguous()
-        tensors[f"{PREFIX}{name}.weight_scale"] = scale.contiguous()
+        tensors[f"{prefix}{name}.weight_packed"] = packed.contiguous()
+        tensors[f"{prefix}{name}.weight_scale"] = scale.contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(k3_config(text), indent=2) + "\n")
+    config = text_only_config(text) if text_only else k3_config(text)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {
         "bos_token_id": vocab.BOS_ID,
         "eos_token_id": vocab.END_OF_MSG_ID,
