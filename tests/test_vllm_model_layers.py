@@ -16,6 +16,20 @@ from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.checkpoint_format import WeightShapeError
 
 
+def engine_config(checkpoint):
+    """The config ``vllm serve`` builds for the tests' fp32 tiny-K3 server."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=str(checkpoint),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        enable_prefix_caching=False,
+        hf_overrides={"quantization_config": None},
+    ).create_engine_config()
+
+
 @pytest.fixture(scope="module")
 def vllm_config(tiny_k3_checkpoint):
     from vllm.config import set_current_vllm_config
@@ -24,16 +38,8 @@ def vllm_config(tiny_k3_checkpoint):
         ensure_model_parallel_initialized,
         init_distributed_environment,
     )
-    from vllm.engine.arg_utils import EngineArgs
 
-    config = EngineArgs(
-        model=str(tiny_k3_checkpoint),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        enable_prefix_caching=False,
-        hf_overrides={"quantization_config": None},
-    ).create_engine_config()
+    config = engine_config(tiny_k3_checkpoint)
     with set_current_vllm_config(config), tempfile.TemporaryDirectory() as scratch:
         init_distributed_environment(
             world_size=1,
@@ -249,7 +255,6 @@ def test_kda_two_sequences_interleaved_in_one_batch(model, vllm_config):
 def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
     """``KimiK3ForCausalLM``: a ``kimi_linear`` config, names without the prefix."""
     from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
 
     from vllm_k3_plugin.tiny import write_tiny_k3_checkpoint
     from vllm_k3_plugin.vllm_adapter.registration import register_all
@@ -257,14 +262,7 @@ def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
 
     register_all()
     checkpoint = write_tiny_k3_checkpoint(tmp_path, text_only=True)
-    config = EngineArgs(
-        model=str(checkpoint),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        enable_prefix_caching=False,
-        hf_overrides={"quantization_config": None},
-    ).create_engine_config()
+    config = engine_config(checkpoint)
     assert config.model_config.architecture == "KimiK3ForCausalLM"
     model_cls, _ = config.model_config.registry.resolve_model_cls(
         config.model_config.architecture, model_config=config.model_config

@@ -185,8 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--text-only",
+        action="store_true",
+        help="a KimiK3ForCausalLM checkpoint (text config, no language_model. prefix)",
+    )
     args = parser.parse_args(argv)
-    path = write_tiny_k3_checkpoint(args.out_dir, seed=args.seed)
+    path = write_tiny_k3_checkpoint(
+        args.out_dir, seed=args.seed, text_only=args.text_only
+    )
     print(f"wrote a tiny Kimi-K3 checkpoint to {path}")
     return 0
 
