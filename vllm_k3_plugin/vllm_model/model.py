@@ -73,8 +73,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, vllm_config: VllmConfig, layer: int, prefix: str):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        text = config.to_dict()
-        if is_kda_layer(text, layer):
+        if is_kda_layer(config.to_dict(), layer):
             self.self_attn = KdaAttention(config, vllm_config, f"{prefix}.self_attn")
         else:
             self.self_attn = GatedMlaAttention(
@@ -338,8 +337,9 @@ def _decode_mxfp4(stem: str, pair: dict[str, torch.Tensor], shape) -> torch.Tens
 
 
 def _report_class(model: nn.Module, config) -> None:
+    text = config.to_dict()
     kinds = [
-        "KDA" if is_kda_layer(config.to_dict(), i) else "MLA"
+        "KDA" if is_kda_layer(text, i) else "MLA"
         for i in range(config.num_hidden_layers)
     ]
     logger.info(

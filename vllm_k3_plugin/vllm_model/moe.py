@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.distributed import (
-    get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
@@ -134,7 +133,6 @@ class LatentMoe(nn.Module):
             self.betas,
             f"{prefix}.shared_experts",
         )
-        self.rank = get_tensor_model_parallel_rank()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ref.route(
