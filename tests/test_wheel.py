@@ -1,0 +1,57 @@
+"""The built wheel carries every package of the source tree (an editable install
+would hide one left out of ``pyproject.toml``)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPORT_NAMES = {"triton_kernels": "k3_triton_kernels"}
+
+
+def source_modules() -> set[str]:
+    modules = set()
+    for top in ("vllm_k3_plugin", "triton_kernels"):
+        for path in (ROOT / top).rglob("*.py"):
+            relative = path.relative_to(ROOT).with_suffix("").parts
+            modules.add(
+                "/".join([IMPORT_NAMES.get(relative[0], relative[0]), *relative[1:]])
+            )
+    return modules
+
+
+def test_the_wheel_holds_every_module(tmp_path):
+    # A copy without setuptools' build/ folder, whose stale files would hide a
+    # package left out.
+    source = tmp_path / "source"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "*.egg-info", "__pycache__", ".ci", "benchmarks"
+        ),
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "-w",
+            tmp_path,
+            source,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {name.removesuffix(".py") for name in archive.namelist()}
+    missing = sorted(source_modules() - shipped)
+    assert not missing, f"left out of the wheel: {missing}"
