@@ -7,7 +7,10 @@ For each kernel and shape it prints the time, achieved TB/s and TFLOP/s, the fra
 of the chip's roofline (MI355X: 8 TB/s, ~5 PFLOP/s dense FP8; H200: 4.8 TB/s, ~1.98
 PFLOP/s dense FP8), and the ratio against vLLM's Triton kernel for the same job
 (``decode_attention_fwd`` for MLA decode, ``fused_experts`` for the MoE), when that
-kernel runs here; a baseline that fails is reported, not hidden.
+kernel runs here; a baseline that fails is reported, not hidden. Two rows are inputs
+to decisions rather than kernels of ours being judged: the KDA decode step against its
+PyTorch reference, and the attention-residual mix as PyTorch runs it today (how far
+it sits below the HBM roofline is what a fused mix kernel could win).
 
 Bytes are what the job must read and write at least (the FP8 cache rows of every
 sequence; each used expert's weights once, plus activations); FLOPs are the GEMM
@@ -68,6 +71,109 @@ def moe_cases(smoke: bool):
         return [(4, 8, 2, 64, 32)]
     # tokens, experts per device (896 over EP8), top-k, latent, inner
     return [(t, 112, 16, 3584, 3072) for t in (1, 16, 256, 4096)]
+
+
+def kda_cases(smoke: bool):
+    if smoke:
+        return [(2, 2, 32)]
+    # sequences, heads per device (96 over TP8), head dim
+    return [(b, 12, 128) for b in (1, 32, 256)]
+
+
+def mix_cases(smoke: bool):
+    if smoke:
+        return [(4, 3, 64)]
+    # tokens, sources (stored blocks + the partial sum; at most 9 in K3), hidden
+    return [(t, 9, 7168) for t in (1, 64, 8192)]
+
+
+def bench_kda(device, smoke, warmup, repeats):
+    import torch
+
+    from k3_triton_kernels import kda_decode as kda
+
+    rows = []
+    cuda = device.type == "cuda"
+    for batch, heads, dim in kda_cases(smoke):
+        channels, conv = heads * dim, 4
+        generator = torch.Generator().manual_seed(0)
+
+        def randn(*shape, generator=generator):
+            return torch.randn(*shape, generator=generator).to(device)
+
+        args = dict(
+            qkv=randn(batch, 3 * channels).to(torch.bfloat16),
+            conv_weight=randn(3 * channels, conv).to(torch.bfloat16),
+            conv_state=randn(batch, 3 * channels, conv - 1).to(torch.bfloat16),
+            decay=randn(batch, channels).to(torch.bfloat16),
+            dt_bias=randn(channels),
+            a_log=randn(heads),
+            beta=torch.sigmoid(randn(batch, heads)),
+            recurrent_state=randn(batch, heads, dim, dim) / dim**0.5,
+            slots=torch.arange(batch, device=device),
+        )
+        seconds = timed(
+            lambda args=args: kda.kda_decode(**args),
+            warmup=warmup,
+            repeats=repeats,
+            cuda=cuda,
+        )
+        reference_s = timed(
+            lambda args=args: kda.kda_decode_reference(**args),
+            warmup=min(warmup, 1),
+            repeats=max(1, repeats // 10),
+            cuda=cuda,
+        )
+        state = batch * heads * dim * dim * 4
+        rows.append(
+            {
+                "kernel": "kda_decode",
+                "shape": f"B={batch} H={heads} K=V={dim}",
+                "s": seconds,
+                "bytes": 2 * state + batch * 3 * channels * (2 + 2 * (conv - 1) * 2),
+                "flops": batch * heads * 4 * 2 * dim * dim,
+                "vllm_s": reference_s,
+                "vllm_note": None,
+                "baseline": "our PyTorch reference",
+            }
+        )
+    return rows
+
+
+def bench_attn_res_mix(device, smoke, warmup, repeats):
+    import torch
+
+    from vllm_k3_plugin.model.reference import attn_res_mix
+
+    rows = []
+    cuda = device.type == "cuda"
+    for tokens, sources, hidden in mix_cases(smoke):
+        bank = [
+            torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+            for _ in range(sources)
+        ]
+        norm = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+        proj = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+        seconds = timed(
+            lambda bank=bank, norm=norm, proj=proj: attn_res_mix(
+                bank, norm, proj, 1e-5
+            ),
+            warmup=warmup,
+            repeats=repeats,
+            cuda=cuda,
+        )
+        rows.append(
+            {
+                "kernel": "attn_res_mix (PyTorch)",
+                "shape": f"T={tokens} sources={sources} D={hidden}",
+                "s": seconds,
+                "bytes": (sources + 1) * tokens * hidden * 2,
+                "flops": 4 * sources * tokens * hidden,
+                "vllm_s": None,
+                "vllm_note": "decision input: the one-pass bytes over PyTorch's time",
+            }
+        )
+    return rows
 
 
 def bench_mla(device, smoke, warmup, repeats):
@@ -219,6 +325,8 @@ def main(argv=None) -> int:
     warmup, repeats = (0, 1) if args.smoke else (args.warmup, args.repeats)
     rows = bench_mla(device, args.smoke, warmup, repeats)
     rows += bench_moe(device, args.smoke, warmup, repeats)
+    rows += bench_kda(device, args.smoke, warmup, repeats)
+    rows += bench_attn_res_mix(device, args.smoke, warmup, repeats)
     print(f"{name}\n")
     print(
         "| kernel | shape | µs | TB/s | TFLOP/s | % HBM roofline | % FP8 roofline "
@@ -231,7 +339,10 @@ def main(argv=None) -> int:
         bw = f"{100 * tbs * 1e12 / peak[0]:.0f}%" if peak else "-"
         fl = f"{100 * tflops * 1e12 / peak[1]:.1f}%" if peak else "-"
         versus = (
-            f"{r['vllm_s'] / r['s']:.2f}x faster" if r["vllm_s"] else r["vllm_note"]
+            f"{r['vllm_s'] / r['s']:.2f}x faster"
+            + (f" than {r['baseline']}" if r.get("baseline") else "")
+            if r["vllm_s"]
+            else r["vllm_note"]
         )
         print(
             f"| {r['kernel']} | {r['shape']} | {r['s'] * 1e6:.1f} | {tbs:.3f} "

@@ -1,10 +1,20 @@
-"""Shared test helpers: chunkings, and outputs built from every marker."""
+"""Shared test helpers: chunkings, and outputs built from every marker.
+
+Without a GPU the Triton kernels run under the interpreter. Triton reads
+``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any test
+module imports a kernel module.
+"""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
 from vllm_k3_plugin.reasoning_reader import (

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from k3_triton_kernels.mla_decode import triton_usable
+from k3_triton_kernels.runtime import log_path, triton_blocker
 from vllm_k3_plugin.model.reference import mxfp4_decode, mxfp4_encode, situ_glu
 
 FP8 = torch.float8_e4m3fn
@@ -334,6 +334,12 @@ if triton is not None:
         )
 
 
+def _unsupported(z: torch.Tensor, experts: ExpertWeights) -> str | None:
+    if experts.fmt not in FORMATS:
+        return f"weight format {experts.fmt!r}"
+    return triton_blocker(z.device)
+
+
 def latent_moe(
     z: torch.Tensor,
     ids: torch.Tensor,
@@ -348,7 +354,9 @@ def latent_moe(
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
     the reference)."""
-    if triton is None or not triton_usable(z.device) or experts.fmt not in FORMATS:
+    reason = _unsupported(z, experts)
+    log_path("Latent MoE", reason)
+    if reason is not None:
         return latent_moe_reference(
             z, ids, weights, experts, beta=beta, linear_beta=linear_beta
         )

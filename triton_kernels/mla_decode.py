@@ -19,13 +19,11 @@ from the reference only by fp32 summation order.
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 
 import torch
 
-logger = logging.getLogger("vllm.k3_plugin.kernels")
+from k3_triton_kernels.runtime import log_path, triton_blocker
 
 FP8_DTYPES = tuple(
     d
@@ -36,13 +34,6 @@ FP8_DTYPES = tuple(
     if d
 )
 CACHE_DTYPES = (*FP8_DTYPES, torch.bfloat16, torch.float16, torch.float32)
-
-
-def triton_usable(device: torch.device) -> bool:
-    """Triton runs on a GPU, or anywhere under ``TRITON_INTERPRET=1``."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return device.type == "cuda"
 
 
 # -- PyTorch reference ----------------------------------------------------------------
@@ -131,7 +122,7 @@ if triton is not None:
         heads,
         rows: tl.constexpr,
         page_size: tl.constexpr,
-        tokens_per_split,
+        num_splits,
         DV: tl.constexpr,
         DPE: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -143,6 +134,10 @@ if triton is not None:
         b = row // rows
         r = row % rows
         visible = tl.load(seq_lens_ptr + b) - (rows - 1 - r)
+        # Each row splits its own length (read here, on the device), so the grid
+        # may be sized from any upper bound of the lengths.
+        tokens_per_split = tl.cdiv(tl.cdiv(tl.maximum(visible, 0), num_splits), BLOCK_N)
+        tokens_per_split = tokens_per_split * BLOCK_N
         start = split * tokens_per_split
         end = tl.minimum(start + tokens_per_split, visible)
 
@@ -262,14 +257,11 @@ if triton is not None:
 
 # -- launcher -------------------------------------------------------------------------
 
-_fallback_logged: set[str] = set()
-
 
 def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | None:
-    if triton is None:
-        return "Triton is not installed"
-    if not triton_usable(q.device):
-        return f"no Triton backend for device {q.device.type}"
+    blocker = triton_blocker(q.device)
+    if blocker is not None:
+        return blocker
     if cache.dtype not in CACHE_DTYPES:
         return f"cache dtype {cache.dtype}"
     rope = q.shape[-1] - value_dim
@@ -291,18 +283,21 @@ def mla_decode(
     softmax_scale: float | None = None,
     kv_scale: float = 1.0,
     num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    reference_because: str | None = None,
     block_h: int = 16,
     block_n: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; the Triton kernels where they apply, else the reference with
-    a one-time log line naming why."""
+    a one-time log line naming why. ``max_seq_len`` (a host int, at least
+    ``seq_lens.max()``) sizes the split-KV grid without reading ``seq_lens`` back
+    from the device. ``reference_because``: take the reference, logging this
+    reason (the caller's setting)."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(192)
-    reason = _unsupported(q, cache, value_dim)
+    reason = reference_because or _unsupported(q, cache, value_dim)
+    log_path("MLA decode", reason)
     if reason is not None:
-        if reason not in _fallback_logged:
-            _fallback_logged.add(reason)
-            logger.info("MLA decode: PyTorch path (%s)", reason)
         return mla_decode_reference(
             q,
             cache,
@@ -314,12 +309,14 @@ def mla_decode(
         )
     batch, rows, heads, _ = q.shape
     rope = q.shape[-1] - value_dim
-    longest = int(seq_lens.max()) if batch else 0
+    if max_seq_len is not None:
+        longest = max_seq_len
+    else:
+        longest = int(seq_lens.max()) if batch else 0
     if num_splits is None:
         num_splits = max(1, min(16, math.ceil(longest / 256)))
-    tokens_per_split = max(block_n, math.ceil(max(longest, 1) / num_splits))
-    tokens_per_split = math.ceil(tokens_per_split / block_n) * block_n
-    num_splits = max(1, math.ceil(max(longest, 1) / tokens_per_split))
+    # No split shorter than one tile.
+    num_splits = max(1, min(num_splits, math.ceil(max(longest, 1) / block_n)))
     device = q.device
     mid_out = torch.empty(batch * rows, heads, num_splits, value_dim, device=device)
     mid_lse = torch.empty(batch * rows, heads, num_splits, device=device)
@@ -350,7 +347,7 @@ def mla_decode(
             heads,
             rows,
             cache.shape[1],
-            tokens_per_split,
+            num_splits,
             DV=value_dim,
             DPE=rope,
             BLOCK_H=block_h,

@@ -1,0 +1,42 @@
+"""Where the Triton kernels can run, and one log line per kernel and path: which
+implementation a launcher took, and why not the Triton kernel when it did not."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("vllm.k3_plugin.kernels")
+_said: set[tuple[str, str]] = set()
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton runs on a GPU, or anywhere under ``TRITON_INTERPRET=1``."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda"
+
+
+def triton_blocker(device: torch.device) -> str | None:
+    """Why no Triton kernel can run on ``device``, or ``None``."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if not triton_usable(device):
+        return f"no Triton backend for device {device.type}"
+    return None
+
+
+def log_path(kernel: str, fallback_reason: str | None) -> None:
+    """``fallback_reason`` ``None``: the Triton kernel runs."""
+    line = (
+        "Triton kernel"
+        if fallback_reason is None
+        else f"PyTorch path ({fallback_reason})"
+    )
+    if (kernel, line) in _said:
+        return
+    _said.add((kernel, line))
+    logger.info("%s: %s", kernel, line)
