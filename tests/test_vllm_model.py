@@ -41,7 +41,7 @@ def model_server(tiny_k3_checkpoint, model_server_log):
         model_server_log,
         *TINY_K3_ARGS,
         # vLLM reports a registry override at debug level only.
-        env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+        env={"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_K3_KERNELS": "pytorch"},
     ) as url:
         yield url
 
@@ -66,6 +66,13 @@ def test_the_server_loads_our_model_class(model_server, model_server_log):
         "6 layers (4 KDA, 2 MLA)"
     ) in log
     assert "vllm_k3_plugin" in log and "Traceback" not in log
+
+
+def test_each_kernel_says_it_runs_its_pytorch_path(alone, model_server_log):
+    log = model_server_log.read_text(errors="replace")
+    for kernel in ("MLA decode", "Latent MoE", "KDA decode"):
+        assert f"{kernel}: PyTorch path (VLLM_K3_KERNELS=pytorch)" in log
+        assert f"{kernel}: Triton kernel" not in log
 
 
 def test_logprobs_equal_the_reference_model(alone, k3_reference_model):

@@ -6,14 +6,17 @@ model, so it is driven here with the GDN metadata vLLM would build)."""
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from k3_triton_kernels import latent_moe as moe_kernel
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.checkpoint_format import WeightShapeError
+from vllm_k3_plugin.vllm_adapter.settings import KERNELS_ENV
 
 
 def engine_config(checkpoint):
@@ -59,10 +62,19 @@ def build(vllm_config):
 
     from vllm_k3_plugin.vllm_model.model import KimiK3ForConditionalGeneration
 
-    def make():
+    def make(kernels: str = "pytorch"):
+        """``kernels``: the ``VLLM_K3_KERNELS`` the layers are built under."""
         vllm_config.compilation_config.static_forward_context.clear()
-        with set_current_vllm_config(vllm_config):
-            return KimiK3ForConditionalGeneration(vllm_config=vllm_config)
+        saved = os.environ.get(KERNELS_ENV)
+        os.environ[KERNELS_ENV] = kernels
+        try:
+            with set_current_vllm_config(vllm_config):
+                return KimiK3ForConditionalGeneration(vllm_config=vllm_config)
+        finally:
+            if saved is None:
+                del os.environ[KERNELS_ENV]
+            else:
+                os.environ[KERNELS_ENV] = saved
 
     return make
 
@@ -72,18 +84,27 @@ def weights(tiny_k3_checkpoint):
     return load_file(str(tiny_k3_checkpoint / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def model(build, weights, vllm_config):
+def _loaded(build, weights, vllm_config, kernels: str):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    model = build()
+    model = build(kernels)
     model.load_weights(weights.items())
     with set_current_vllm_config(vllm_config):
         process_weights_after_loading(
             model, vllm_config.model_config, torch.device("cpu")
         )
     return model
+
+
+@pytest.fixture(scope="module")
+def model(build, weights, vllm_config):
+    return _loaded(build, weights, vllm_config, "pytorch")
+
+
+@pytest.fixture(scope="module")
+def kernel_model(build, weights, vllm_config):
+    return _loaded(build, weights, vllm_config, "triton")
 
 
 @pytest.fixture
@@ -252,6 +273,31 @@ def test_kda_two_sequences_interleaved_in_one_batch(model, vllm_config):
     )
 
 
+def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
+    model, kernel_model, vllm_config
+):
+    """Two sequences prefilled, then three decode steps batched: the kernel path
+    (decode tokens through ``kda_decode``) against the PyTorch path, outputs and
+    both cache states (1e-5, fp32 summation order)."""
+    generator = torch.Generator().manual_seed(2)
+    prompts = torch.randn(8, 64, generator=generator)
+    steps = [torch.randn(2, 64, generator=generator) for _ in range(3)]
+    results = []
+    for built in (model, kernel_model):
+        layer = built.language_model.model.layers[1].self_attn
+        _fresh_cache(layer, slots=5)
+        outputs = [_kda_step(layer, vllm_config, prompts, [5, 3], [1, 4], [False] * 2)]
+        for step in steps:
+            outputs.append(
+                _kda_step(layer, vllm_config, step, [1, 1], [1, 4], [True] * 2)
+            )
+        conv, recurrent = layer.kv_cache
+        results.append((torch.cat(outputs), conv[[1, 4]], recurrent[[1, 4]]))
+    assert kernel_model.language_model.model.layers[1].self_attn.use_kernels
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
     """``KimiK3ForCausalLM``: a ``kimi_linear`` config, names without the prefix."""
     from vllm.config import set_current_vllm_config
@@ -276,3 +322,81 @@ def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
     assert model.load_weights(weights.items()) == {
         name for name, _ in model.named_parameters()
     }
+
+
+# -- the latent MoE kernel path --------------------------------------------------------
+
+
+def _moe(model, layer: int):
+    return model.language_model.model.layers[layer].block_sparse_moe
+
+
+def test_with_kernels_every_parameter_loads_and_experts_stay_packed(
+    build, weights, kernel_model
+):
+    fresh = build("triton")
+    assert fresh.load_weights(weights.items()) == {
+        name for name, _ in fresh.named_parameters()
+    }
+    moe = _moe(kernel_model, 3)
+    assert moe.use_kernels
+    stem = "language_model.model.layers.3.block_sparse_moe.experts.6"
+    inner = moe.experts.local_inner
+    stacked = moe.experts.weights()
+    for proj, rows in (("w1", slice(0, inner)), ("w3", slice(inner, 2 * inner))):
+        assert torch.equal(
+            stacked.w13[6, rows], weights[f"{stem}.{proj}.weight_packed"]
+        )
+        assert torch.equal(
+            stacked.w13_scale[6, rows], weights[f"{stem}.{proj}.weight_scale"]
+        )
+    assert torch.equal(stacked.w2[6], weights[f"{stem}.w2.weight_packed"])
+    assert torch.equal(stacked.w2_scale[6], weights[f"{stem}.w2.weight_scale"])
+
+
+def _routing_case(moe, tokens: int = 9):
+    generator = torch.Generator().manual_seed(4)
+    z = torch.randn(tokens, moe.routed_expert_norm.weight.shape[0], generator=generator)
+    x_gate = torch.randn(tokens, moe.gate.weight.shape[0], generator=generator)
+    weights, ids = ref.route(x_gate, torch.zeros(x_gate.shape[1]), moe.top_k)
+    return z, ids, weights
+
+
+def test_the_kernel_path_equals_its_reference_and_is_near_the_pytorch_path(
+    model, kernel_model
+):
+    """Kernel vs its W4A8 reference: 1e-4 of the largest output (summation order).
+    vs the PyTorch path (unquantized activations, exact decoded weights): FP8 rounds
+    activations and the SiTU output by at most 2^-4 relative each, under 10%."""
+    kernels, plain = _moe(kernel_model, 2), _moe(model, 2)
+    z, ids, weights = _routing_case(kernels)
+    got = kernels.routed_experts(z, ids, weights)
+    same_numerics = moe_kernel.latent_moe_reference(
+        z, ids, weights, kernels.experts.weights(), **kernels.betas
+    )
+    unquantized = plain.routed_experts(z, ids, weights)
+    peak = same_numerics.abs().max()
+    assert (got - same_numerics).abs().max() <= 1e-4 * peak
+    assert (got - unquantized).abs().max() <= 0.1 * unquantized.abs().max()
+    assert not torch.equal(got, unquantized)
+
+
+def test_shapes_the_kernel_cannot_hold_keep_the_pytorch_path_and_say_why(
+    vllm_config, caplog
+):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_k3_plugin.vllm_model.moe import LatentMoe
+
+    text = vllm_config.model_config.hf_text_config
+    config = type(text).from_dict({**text.to_dict(), "moe_intermediate_size": 48})
+    with (
+        caplog.at_level("INFO", logger="vllm.k3_plugin.kernels"),
+        set_current_vllm_config(vllm_config),
+    ):
+        layer = LatentMoe(config, "model.layers.1.block_sparse_moe", use_kernels=True)
+    assert not layer.use_kernels
+    assert isinstance(layer.experts, torch.nn.ModuleList)
+    assert "Latent MoE: PyTorch path (the per-rank expert intermediate size 48" in (
+        caplog.text
+    )

@@ -38,10 +38,27 @@ def model_class(on_cpu: bool) -> str:
     with PyTorch paths and decodes the MXFP4 experts to BF16, which the real model
     cannot afford on GPUs until the Triton kernels are wired in."""
     default = "plugin" if on_cpu else "vllm"
-    raw = os.environ.get(MODEL_CLASS_ENV, default).strip().lower()
-    if raw not in MODEL_CLASS_CHOICES:
+    return _choice(MODEL_CLASS_ENV, default, MODEL_CLASS_CHOICES, "a model class")
+
+
+KERNELS_ENV = "VLLM_K3_KERNELS"
+KERNELS_CHOICES = ("triton", "pytorch")
+
+
+def kernels(on_gpu: bool) -> str:
+    """``VLLM_K3_KERNELS``: ``triton`` (the model class runs the MLA decode and latent
+    MoE kernels of ``k3_triton_kernels``) or ``pytorch`` (their PyTorch paths).
+
+    The default is ``triton`` on GPUs and ``pytorch`` on the CPU, where Triton runs
+    only under ``TRITON_INTERPRET=1`` (slow; for tests)."""
+    default = "triton" if on_gpu else "pytorch"
+    return _choice(KERNELS_ENV, default, KERNELS_CHOICES, "a kernels")
+
+
+def _choice(env: str, default: str, choices: tuple[str, ...], what: str) -> str:
+    raw = os.environ.get(env, default).strip().lower()
+    if raw not in choices:
         raise ValueError(
-            f"{MODEL_CLASS_ENV}={raw!r} is not a model class choice; choose one of "
-            f"{', '.join(MODEL_CLASS_CHOICES)}"
+            f"{env}={raw!r} is not {what} choice; choose one of {', '.join(choices)}"
         )
     return raw

@@ -5,8 +5,10 @@ vLLM keeps each request's KDA state in its hybrid cache: a conv state (the last
 the recurrent state ``[heads, K, V]`` in fp32. The GDN metadata backend tells the layer,
 per scheduled sequence, which tokens are its own, which cache slot holds its state and
 whether that state is already initialized (a continued prefill or a decode) or not (a
-new request). This layer reads and writes those slots; the compute is the PyTorch
-reference (``vllm_k3_plugin.model.reference``), one sequence at a time.
+new request). This layer reads and writes those slots. Prefill chunks run the PyTorch
+reference (``vllm_k3_plugin.model.reference``), one sequence at a time; with
+``VLLM_K3_KERNELS=triton`` the batch's decode tokens (one new token of an initialized
+sequence) run ``k3_triton_kernels.kda_decode`` in one launch, else the reference too.
 
 Heads shard over tensor parallelism; every rank keeps the state of its own heads.
 """
@@ -37,7 +39,10 @@ from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from k3_triton_kernels.kda_decode import kda_decode
+from k3_triton_kernels.runtime import log_path
 from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 
 
 class SpeculativeKdaUnsupported(NotImplementedError):
@@ -88,6 +93,9 @@ class KdaAttention(nn.Module, MambaBase):
         self.local_heads = self.num_heads // self.tp_size
         self.lower_bound = kda.get("gate_lower_bound", -5.0)
         self.kernel = kda["short_conv_kernel_size"]
+        self.use_kernels = use_triton_kernels()
+        if not self.use_kernels:
+            log_path("KDA decode", "VLLM_K3_KERNELS=pytorch")
         width = self.num_heads * self.head_dim
         self.local_width = width // self.tp_size
 
@@ -198,12 +206,18 @@ class KdaAttention(nn.Module, MambaBase):
             [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
         )
         shaped = (self.local_heads, self.head_dim)
+        decode_rows: list[int] = []
+        decode_slots: list[int] = []
         for index in range(len(starts) - 1):
             begin, end = starts[index], starts[index + 1]
             if begin == end:
                 continue
             slot = slots[index]
             had_state = bool(initialized[index])
+            if self.use_kernels and had_state and end - begin == 1:
+                decode_rows.append(begin)
+                decode_slots.append(slot)
+                continue
             conv_in = conv_cache[slot].float() if had_state else None
             state_in = recurrent_cache[slot] if had_state else None
             mixed, conv_out = ref.causal_conv_silu(
@@ -228,3 +242,17 @@ class KdaAttention(nn.Module, MambaBase):
             out[begin:end] = o
             conv_cache[slot] = conv_out.to(conv_cache.dtype)
             recurrent_cache[slot] = state_out.to(recurrent_cache.dtype)
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=qkv.device)
+            out[rows] = kda_decode(
+                qkv[rows],
+                conv_weight[:, 0, :],
+                conv_cache,
+                decay[rows],
+                self.dt_bias,
+                self.A_log,
+                beta[rows],
+                recurrent_cache,
+                torch.tensor(decode_slots, device=qkv.device),
+                lower_bound=self.lower_bound,
+            )

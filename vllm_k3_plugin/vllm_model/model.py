@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -34,6 +35,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.platforms import current_platform
 
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.checkpoint_format import (
@@ -49,6 +51,7 @@ from vllm_k3_plugin.vllm_model.kda import (
     kda_state_dtypes,
     kda_state_shapes,
 )
+from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 from vllm_k3_plugin.vllm_model.mla import GatedMlaAttention
 from vllm_k3_plugin.vllm_model.moe import LatentMoe, SituMlp, situ_betas
 
@@ -84,7 +87,9 @@ class DecoderLayer(nn.Module):
                 hidden, config.intermediate_size, situ_betas(config), f"{prefix}.mlp"
             )
         else:
-            self.block_sparse_moe = LatentMoe(config, f"{prefix}.block_sparse_moe")
+            self.block_sparse_moe = LatentMoe(
+                config, f"{prefix}.block_sparse_moe", use_kernels=use_triton_kernels()
+            )
         self.input_layernorm = RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
         self.self_attention_res_norm = RMSNorm(hidden, eps=eps)
@@ -164,6 +169,7 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if not prefix:
             _report_class(self, config)
         _note_quantization(vllm_config)
+        require_eager_on_gpus(vllm_config, on_gpu=current_platform.is_cuda_alike())
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -215,6 +221,7 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
         experts = expert_weight_shapes(text)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        loaded_experts: set[str] = set()
         halves: dict[str, dict[str, torch.Tensor]] = {}
         unknown: list[str] = []
         for name, tensor in weights:
@@ -227,8 +234,16 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 if len(halves[stem]) < 2:
                     continue
                 pair = halves.pop(stem)
-                tensor = _decode_mxfp4(stem, pair, experts[stem])
-                name = f"{stem}.weight"
+                _check_mxfp4_pair(stem, pair, experts[stem])
+                layer, _, tail = stem.rpartition(".experts.")
+                expert, proj = tail.split(".")
+                moe = self.get_submodule(layer)
+                for param_name in moe.load_expert(
+                    int(expert), proj, pair["weight_packed"], pair["weight_scale"]
+                ):
+                    loaded.add(f"{layer}.{param_name}")
+                loaded_experts.add(stem)
+                continue
             elif name in dense:
                 _check_shape(name, tensor, dense[name])
             else:
@@ -246,8 +261,7 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 f"{'weight_scale' if have == 'weight_packed' else 'weight_packed'}"
                 f" ({len(halves)} MXFP4 tensor(s) without their other half)"
             )
-        needed = set(dense) | {f"{stem}.weight" for stem in experts}
-        missing = sorted(needed - loaded)
+        missing = sorted((set(dense) - loaded) | (set(experts) - loaded_experts))
         if missing:
             raise MissingWeightsError(
                 f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
@@ -327,13 +341,12 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
         )
 
 
-def _decode_mxfp4(stem: str, pair: dict[str, torch.Tensor], shape) -> torch.Tensor:
+def _check_mxfp4_pair(stem: str, pair: dict[str, torch.Tensor], shape) -> None:
     rows, cols = shape
     _check_shape(f"{stem}.weight_packed", pair["weight_packed"], (rows, cols // 2))
     _check_shape(
         f"{stem}.weight_scale", pair["weight_scale"], (rows, cols // ref.MXFP4_BLOCK)
     )
-    return ref.mxfp4_decode(pair["weight_packed"], pair["weight_scale"])
 
 
 def _report_class(model: nn.Module, config) -> None:
@@ -363,4 +376,17 @@ def _note_quantization(vllm_config: VllmConfig) -> None:
             "Kimi-K3: the checkpoint's %s routed experts are decoded on load; the "
             "other layers are BF16 as published",
             quant.get_name(),
+        )
+
+
+def require_eager_on_gpus(vllm_config: VllmConfig, *, on_gpu: bool) -> None:
+    """CUDA graphs cannot capture this class: the KDA layers walk the batch's
+    sequences on the host and the latent MoE sorts its routing with sizes read back
+    from the device. Refused at load, not discovered at capture."""
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if on_gpu and mode is not None and mode != CUDAGraphMode.NONE:
+        raise ValueError(
+            "the Kimi-K3 model class of vllm-k3-plugin runs without CUDA graphs "
+            f"(cudagraph_mode is {mode.name}); serve with --enforce-eager, or keep "
+            "vLLM's in-tree class (VLLM_K3_MODEL_CLASS=vllm)"
         )

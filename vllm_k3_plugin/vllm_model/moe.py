@@ -7,8 +7,16 @@ slice of every expert, and the weighted per-rank partial sums are all-reduced be
 the latent norm. The router, the latent down/up projections and the norm are
 replicated.
 
-The routed experts arrive MXFP4-packed; the loader decodes them to the model dtype
-(the PyTorch path), every e2m1 value times its power-of-two scale exactly.
+The routed experts arrive MXFP4-packed. Two paths, chosen when the layer is built
+(``VLLM_K3_KERNELS``):
+
+- ``pytorch``: the loader decodes each expert to the model dtype (every e2m1 value
+  times its power-of-two scale, exactly) and the experts run as PyTorch matmuls;
+- ``triton``: the packed bytes and scales stay as they are, stacked per projection
+  (``w13`` = gate rows then up rows), and ``k3_triton_kernels.latent_moe`` runs them
+  as W4A8 (FP8 activations with per-token scales). It needs this rank's slice of the
+  intermediate dimension to be a whole number of 32-wide MXFP4 scale blocks; where
+  it is not, the layer keeps the PyTorch path and says why once.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.distributed import (
+    get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
@@ -28,6 +37,8 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 
+from k3_triton_kernels.latent_moe import ExpertWeights, latent_moe
+from k3_triton_kernels.runtime import log_path
 from vllm_k3_plugin.model import reference as ref
 
 
@@ -80,6 +91,64 @@ class RoutedExpert(nn.Module):
         self.w2 = _ShardedWeight(latent, local_inner, 1, dtype)
 
 
+class StackedMxfp4Experts(nn.Module):
+    """Every expert's MXFP4 weights as the latent MoE kernel reads them, this rank's
+    slice of the intermediate dimension ``I``: ``w13_packed`` ``[E, 2I, L/2]`` and
+    ``w13_scale`` ``[E, 2I, L/32]`` (gate rows, then up rows), ``w2_packed``
+    ``[E, L, I/2]`` and ``w2_scale`` ``[E, L, I/32]``, all uint8."""
+
+    def __init__(self, num_experts: int, latent: int, local_inner: int) -> None:
+        super().__init__()
+        block = ref.MXFP4_BLOCK
+        shapes = {
+            "w13_packed": (num_experts, 2 * local_inner, latent // 2),
+            "w13_scale": (num_experts, 2 * local_inner, latent // block),
+            "w2_packed": (num_experts, latent, local_inner // 2),
+            "w2_scale": (num_experts, latent, local_inner // block),
+        }
+        for name, shape in shapes.items():
+            self.register_parameter(
+                name, nn.Parameter(torch.empty(shape, dtype=torch.uint8), False)
+            )
+        self.local_inner = local_inner
+
+    def load(self, expert: int, proj: str, packed, scale) -> list[str]:
+        """Copy this rank's slice of one projection's packed bytes and scales."""
+        inner = self.local_inner
+        rank = get_tensor_model_parallel_rank()
+        if proj == "w2":
+            byte_cols = slice(rank * inner // 2, (rank + 1) * inner // 2)
+            scale_cols = slice(
+                rank * inner // ref.MXFP4_BLOCK, (rank + 1) * inner // ref.MXFP4_BLOCK
+            )
+            self.w2_packed[expert].copy_(packed[:, byte_cols])
+            self.w2_scale[expert].copy_(scale[:, scale_cols])
+            return ["w2_packed", "w2_scale"]
+        rows = slice(rank * inner, (rank + 1) * inner)
+        half = slice(0, inner) if proj == "w1" else slice(inner, 2 * inner)
+        self.w13_packed[expert, half].copy_(packed[rows])
+        self.w13_scale[expert, half].copy_(scale[rows])
+        return ["w13_packed", "w13_scale"]
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(
+            "mxfp4", self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale
+        )
+
+
+def kernel_path_blocker(local_inner: int, latent: int) -> str | None:
+    """Why the latent MoE kernel cannot hold these shapes, or ``None``."""
+    block = ref.MXFP4_BLOCK
+    if local_inner % block:
+        return (
+            f"the per-rank expert intermediate size {local_inner} is not a multiple "
+            f"of the {block}-wide MXFP4 scale block"
+        )
+    if latent % block:
+        return f"the latent size {latent} is not a multiple of {block}"
+    return None
+
+
 class Router(nn.Module):
     """``gate.weight`` ``[experts, hidden]`` and ``gate.e_score_correction_bias``,
     both kept in fp32: the router's logits are fp32."""
@@ -99,7 +168,7 @@ class LatentMoe(nn.Module):
     top-k renormalized; routed path ``up(norm(Σ w_e · expert_e(down(x))))`` on the
     latent; plus the shared experts on ``x``."""
 
-    def __init__(self, config, prefix: str) -> None:
+    def __init__(self, config, prefix: str, use_kernels: bool = False) -> None:
         super().__init__()
         hidden, latent = config.hidden_size, config.routed_expert_hidden_size
         inner = config.moe_intermediate_size
@@ -122,11 +191,23 @@ class LatentMoe(nn.Module):
         self.routed_expert_up_proj = ReplicatedLinear(
             latent, hidden, bias=False, prefix=f"{prefix}.routed_expert_up_proj"
         )
-        dtype = torch.get_default_dtype()
-        self.experts = nn.ModuleList(
-            RoutedExpert(latent, inner // tp_size, dtype)
-            for _ in range(config.num_experts)
-        )
+        local_inner = inner // tp_size
+        if not use_kernels:
+            log_path("Latent MoE", "VLLM_K3_KERNELS=pytorch")
+        else:
+            blocker = kernel_path_blocker(local_inner, latent)
+            if blocker is not None:
+                use_kernels = False
+                log_path("Latent MoE", blocker)
+        self.use_kernels = use_kernels
+        if use_kernels:
+            self.experts = StackedMxfp4Experts(config.num_experts, latent, local_inner)
+        else:
+            dtype = torch.get_default_dtype()
+            self.experts = nn.ModuleList(
+                RoutedExpert(latent, local_inner, dtype)
+                for _ in range(config.num_experts)
+            )
         self.shared_experts = SituMlp(
             hidden,
             inner * config.num_shared_experts,
@@ -134,15 +215,22 @@ class LatentMoe(nn.Module):
             f"{prefix}.shared_experts",
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = ref.route(
-            x.float() @ self.gate.weight.T,
-            self.gate.e_score_correction_bias,
-            self.top_k,
-            renormalize=self.renormalize,
-            scaling_factor=self.scaling,
-        )
-        z = self.routed_expert_down_proj(x)[0]
+    def load_expert(self, expert: int, proj: str, packed, scale) -> list[str]:
+        """Load one expert projection (``w1``/``w3``/``w2``) from its MXFP4 pair;
+        returns the parameter names (relative to this layer) it wrote."""
+        if self.use_kernels:
+            return [
+                f"experts.{name}"
+                for name in self.experts.load(expert, proj, packed, scale)
+            ]
+        param = getattr(self.experts[expert], proj).weight
+        param.weight_loader(param, ref.mxfp4_decode(packed, scale))
+        return [f"experts.{expert}.{proj}.weight"]
+
+    def routed_experts(self, z, ids, weights) -> torch.Tensor:
+        """``Σ_k w_k · expert_k(z)`` in fp32 (this rank's partial sum under TP)."""
+        if self.use_kernels:
+            return latent_moe(z, ids, weights, self.experts.weights(), **self.betas)
         routed = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
         for expert_id in ids.unique().tolist():
             expert = self.experts[expert_id]
@@ -156,6 +244,18 @@ class LatentMoe(nn.Module):
                 rows,
                 weights[rows, slot, None] * (activated @ expert.w2.weight.T).float(),
             )
+        return routed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = ref.route(
+            x.float() @ self.gate.weight.T,
+            self.gate.e_score_correction_bias,
+            self.top_k,
+            renormalize=self.renormalize,
+            scaling_factor=self.scaling,
+        )
+        z = self.routed_expert_down_proj(x)[0]
+        routed = self.routed_experts(z, ids, weights)
         if self.tp_size > 1:
             routed = tensor_model_parallel_all_reduce(routed)
         routed = self.routed_expert_up_proj(
