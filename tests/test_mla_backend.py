@@ -116,3 +116,4 @@ def test_the_gpu_backend_is_vllms_triton_mla_with_our_decode():
     assert backend.get_name() == "K3_TRITON_MLA"
     assert backend.get_impl_cls().forward_mqa is k3_mla_decode
     assert {"fp8", "fp8_e4m3"} <= set(backend.supported_kv_cache_dtypes)
+    assert backend.get_impl_cls().supports_dcp is False

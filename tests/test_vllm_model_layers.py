@@ -274,7 +274,7 @@ def test_kda_two_sequences_interleaved_in_one_batch(model, vllm_config):
 
 
 def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
-    model, kernel_model, vllm_config
+    model, kernel_model, vllm_config, monkeypatch
 ):
     """Two sequences prefilled, then three decode steps batched: the kernel path
     (decode tokens through ``kda_decode``) against the PyTorch path, outputs and
@@ -282,6 +282,12 @@ def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
     generator = torch.Generator().manual_seed(2)
     prompts = torch.randn(8, 64, generator=generator)
     steps = [torch.randn(2, 64, generator=generator) for _ in range(3)]
+    from k3_triton_kernels import kda_decode
+
+    def not_the_kernel(*args, **kwargs):
+        raise AssertionError("the kernel path fell back to its reference")
+
+    monkeypatch.setattr(kda_decode, "kda_decode_reference", not_the_kernel)
     results = []
     for built in (model, kernel_model):
         layer = built.language_model.model.layers[1].self_attn
@@ -400,3 +406,31 @@ def test_shapes_the_kernel_cannot_hold_keep_the_pytorch_path_and_say_why(
     assert "Latent MoE: PyTorch path (the per-rank expert intermediate size 48" in (
         caplog.text
     )
+
+
+def test_each_rank_takes_its_slice_of_the_packed_experts(monkeypatch):
+    """Rank 1 of 2: gate/up rows ``[I/2, I)`` and the down projection's columns
+    ``[I/2, I)`` (two values per byte, one scale per 32), exactly."""
+    from vllm_k3_plugin.vllm_model import moe
+
+    monkeypatch.setattr(moe, "get_tensor_model_parallel_rank", lambda: 1)
+    latent, inner = 64, 64
+    generator = torch.Generator().manual_seed(5)
+    full = {
+        proj: ref.mxfp4_encode(torch.randn(*shape, generator=generator))
+        for proj, shape in (
+            ("w1", (inner, latent)),
+            ("w3", (inner, latent)),
+            ("w2", (latent, inner)),
+        )
+    }
+    stacked = moe.StackedMxfp4Experts(2, latent, inner // 2)
+    for proj, (packed, scale) in full.items():
+        stacked.load(1, proj, packed, scale)
+    weights = stacked.weights()
+    w13 = ref.mxfp4_decode(weights.w13[1], weights.w13_scale[1])
+    w2 = ref.mxfp4_decode(weights.w2[1], weights.w2_scale[1])
+    decoded = {proj: ref.mxfp4_decode(*pair) for proj, pair in full.items()}
+    assert torch.equal(w13[: inner // 2], decoded["w1"][inner // 2 :])
+    assert torch.equal(w13[inner // 2 :], decoded["w3"][inner // 2 :])
+    assert torch.equal(w2, decoded["w2"][:, inner // 2 :])

@@ -89,27 +89,16 @@ if triton is not None:
         stride_sc,
         stride_sw,
         channel,
-        WRITE_STATE: tl.constexpr,
         CONV: tl.constexpr,
     ):
-        """Conv + SiLU of ``channel`` (a vector of channel indices); shifts the
-        state when ``WRITE_STATE``."""
+        """Conv + SiLU of ``channel`` (a vector of channel indices). Reads the conv
+        state only: a later launch shifts it, after every program has read it."""
         x = tl.load(x_ptr + channel).to(tl.float32)
         acc = x * tl.load(w_ptr + channel * stride_wc + (CONV - 1)).to(tl.float32)
         for tap in tl.static_range(CONV - 1):
             past = tl.load(state_ptr + channel * stride_sc + tap * stride_sw)
             acc += past.to(tl.float32) * tl.load(w_ptr + channel * stride_wc + tap).to(
                 tl.float32
-            )
-        if WRITE_STATE:
-            for tap in tl.static_range(CONV - 2):
-                shifted = tl.load(
-                    state_ptr + channel * stride_sc + (tap + 1) * stride_sw
-                )
-                tl.store(state_ptr + channel * stride_sc + tap * stride_sw, shifted)
-            tl.store(
-                state_ptr + channel * stride_sc + (CONV - 2) * stride_sw,
-                x.to(state_ptr.dtype.element_ty),
             )
         return acc * tl.sigmoid(acc)
 
@@ -152,18 +141,18 @@ if triton is not None:
         v_idx = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
         x_ptr = qkv_ptr + n * stride_qkv
         cs_ptr = conv_state_ptr + slot * stride_cs_slot
-        # Every V block recomputes q and k; the first one shifts their conv state.
+        # Every V block recomputes q and k.
         q = _conv_silu(
             x_ptr, conv_w_ptr, cs_ptr, stride_wc, stride_cs_c, stride_cs_w,
-            h * DIM + d, False, CONV,
+            h * DIM + d, CONV,
         )  # fmt: skip
         k = _conv_silu(
             x_ptr, conv_w_ptr, cs_ptr, stride_wc, stride_cs_c, stride_cs_w,
-            channels + h * DIM + d, False, CONV,
+            channels + h * DIM + d, CONV,
         )  # fmt: skip
         v = _conv_silu(
             x_ptr, conv_w_ptr, cs_ptr, stride_wc, stride_cs_c, stride_cs_w,
-            2 * channels + h * DIM + v_idx, True, CONV,
+            2 * channels + h * DIM + v_idx, CONV,
         )  # fmt: skip
         q = q / tl.sqrt(tl.sum(q * q) + 1e-6) / tl.sqrt(DIM * 1.0)
         k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
@@ -188,7 +177,7 @@ if triton is not None:
         tl.store(out_ptr + n * stride_o_n + h * stride_o_h + v_idx, o)
 
     @triton.jit
-    def _shift_qk_conv_state(
+    def _shift_conv_state(
         qkv_ptr,
         conv_state_ptr,
         slots_ptr,
@@ -200,11 +189,11 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         CONV: tl.constexpr,
     ):
-        """The q and k channels' conv state, shifted once per sequence (after every
-        program of the step has read it)."""
+        """The conv state of all ``3C`` channels, shifted once per sequence: a launch
+        of its own, so no program of the step reads a tap already shifted."""
         n = tl.program_id(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = c < 2 * channels
+        mask = c < 3 * channels
         slot = tl.load(slots_ptr + n).to(tl.int64)
         base = conv_state_ptr + slot * stride_cs_slot + c * stride_cs_c
         for tap in tl.static_range(CONV - 2):
@@ -233,6 +222,9 @@ def _unsupported(qkv, recurrent_state, conv_weight) -> str | None:
         return f"recurrent state dtype {recurrent_state.dtype}"
     if recurrent_state.stride(-1) != 1:
         return "recurrent state not contiguous in V"
+    for name, tensor in (("qkv", qkv), ("conv weight", conv_weight)):
+        if tensor.stride(-1) != 1:
+            return f"{name} not contiguous in its last dim"
     if conv_weight.shape[-1] < 2:
         return f"conv kernel {conv_weight.shape[-1]}"
     return None
@@ -255,6 +247,9 @@ def kda_decode(
     """One decode step (Triton where it applies, else the reference); updates
     ``conv_state`` and ``recurrent_state`` at ``slots`` in place."""
     reason = _unsupported(qkv, recurrent_state, conv_weight)
+    for name, tensor in (("decay", decay), ("dt_bias", dt_bias), ("beta", beta)):
+        if reason is None and tensor.stride(-1) != 1:
+            reason = f"{name} not contiguous in its last dim"
     log_path("KDA decode", reason)
     args = (qkv, conv_weight, conv_state, decay, dt_bias, a_log, beta)
     if reason is not None:
@@ -283,7 +278,7 @@ def kda_decode(
         DIM=dim, BLOCK_V=block_v, CONV=conv,
     )  # fmt: skip
     block_c = 128
-    _shift_qk_conv_state[(tokens, triton.cdiv(2 * channels, block_c))](
+    _shift_conv_state[(tokens, triton.cdiv(3 * channels, block_c))](
         qkv, conv_state, slots,
         qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         channels, BLOCK_C=block_c, CONV=conv,

@@ -59,6 +59,16 @@ def test_kernel_matches_reference(tokens, heads, dim):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_a_bf16_conv_state_is_read_and_written_like_the_reference():
+    case = _case(3, 2, 32, conv_dtype=torch.bfloat16)
+    case["qkv"] = case["qkv"].to(torch.bfloat16)
+    got = _run(kernel.kda_decode, case)
+    want = _run(kernel.kda_decode_reference, case)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[1], want[1])  # the shifted taps and the new input, exact
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+
+
 def test_slots_not_in_the_batch_are_untouched():
     case = _case(2, 2, 32, slots_total=5)
     _, conv_state, state = _run(kernel.kda_decode, case)

@@ -135,6 +135,9 @@ def gpu_mla_backend():
     )
 
     class K3TritonMlaImpl(TritonMLAImpl):
+        # Under decode context parallelism seq_lens are this rank's share, which
+        # the speculative rows' visible lengths cannot be derived from.
+        supports_dcp = False
         forward_mqa = k3_mla_decode
 
     class K3TritonMlaBackend(TritonMLABackend):
