@@ -98,23 +98,25 @@ def latent_moe_reference(
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
     """``(pair index per padded row or -1, expert per block)``: the (token, slot)
-    pairs grouped by expert, each group padded to a multiple of ``block_m``."""
+    pairs grouped by expert, each group padded to a multiple of ``block_m``.
+
+    Tensor ops only (no loop over experts); the padded length is read back once to
+    size the output."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
     padded = ((counts + block_m - 1) // block_m) * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    sorted_starts = torch.cumsum(counts, 0) - counts
+    experts_in_order = flat[order]
+    rank_in_expert = (
+        torch.arange(flat.numel(), device=ids.device) - sorted_starts[experts_in_order]
+    )
     rows = torch.full((int(padded.sum()),), -1, dtype=torch.int64, device=ids.device)
+    rows[starts[experts_in_order] + rank_in_expert] = order
     block_expert = torch.repeat_interleave(
         torch.arange(num_experts, device=ids.device), padded // block_m
     )
-    starts = torch.cumsum(padded, 0) - padded
-    sorted_starts = torch.cumsum(counts, 0) - counts
-    for expert in torch.nonzero(counts).flatten().tolist():
-        n = int(counts[expert])
-        s = int(starts[expert])
-        rows[s : s + n] = order[
-            int(sorted_starts[expert]) : int(sorted_starts[expert]) + n
-        ]
     return rows, block_expert
 
 

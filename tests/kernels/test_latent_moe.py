@@ -76,6 +76,21 @@ def test_sort_by_expert_groups_and_pads():
     assert rows.tolist() == [3, -1, 1, 2, 0, 4, 5, -1]
 
 
+def test_sort_by_expert_at_k3_routing():
+    """Top-16 of 896 for 37 tokens: every pair once, in its expert's padded group,
+    in token order within the group."""
+    _, ids, *_ = _case(37, 896, 16)
+    rows, block_expert = moe.sort_by_expert(ids, 896, block_m=16)
+    flat = ids.reshape(-1)
+    real = rows[rows >= 0]
+    assert sorted(real.tolist()) == list(range(flat.numel()))
+    expert_of_row = block_expert.repeat_interleave(16)
+    assert torch.equal(flat[real], expert_of_row[rows >= 0])
+    for expert in flat.unique().tolist():
+        group = rows[(expert_of_row == expert) & (rows >= 0)]
+        assert torch.equal(group, group.sort().values)
+
+
 def test_gpu_benchmark_script_runs_its_smoke_shapes():
     """The benchmark's plumbing, on tiny shapes under the interpreter (the figures
     come from a GPU run)."""
