@@ -269,6 +269,7 @@ def bench_moe(device, smoke, warmup, repeats):
         cuda = device.type == "cuda"
         for fmt, build in (
             ("fp8", moe.fp8_experts_from),
+            ("fp8-block", moe.fp8_block_experts_from),
             ("mxfp4", moe.mxfp4_experts_from),
         ):
             packed = build(w13, w2)
@@ -281,7 +282,7 @@ def bench_moe(device, smoke, warmup, repeats):
                 cuda=cuda,
             )
             used = len(ids.unique())
-            per_weight = 1 if fmt == "fp8" else 0.5 + 1 / 32
+            per_weight = {"fp8": 1, "fp8-block": 1 + 4 / 128**2}.get(fmt, 0.5 + 1 / 32)
             moved = used * 3 * inner * latent * per_weight + tokens * latent * (1 + 4)
             flops = 2 * tokens * top_k * (latent * 2 * inner + inner * latent)
             row = {
@@ -293,7 +294,7 @@ def bench_moe(device, smoke, warmup, repeats):
                 "vllm_s": None,
                 "vllm_note": "vLLM's fused_experts has no SiTU / latent-norm form; "
                 "baseline not comparable"
-                if fmt == "fp8"
+                if fmt.startswith("fp8")
                 else "no vLLM W4A8 MXFP4 baseline",
             }
             rows.append(row)

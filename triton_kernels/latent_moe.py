@@ -12,9 +12,10 @@ On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weigh
 5. kernel 2, per block: the down GEMM against ``w2`` ``[E, L, I]``, dequantized, times
    the routing weight, added into the token's output row.
 
-Weight formats: ``"fp8"`` (e4m3 values with one scale per output channel) and
-``"mxfp4"`` (the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per 32
-inputs, decoded in registers: every e2m1 value is exact in e4m3, so this is W4A8).
+Weight formats: ``"fp8"`` (e4m3 values with one scale per output channel),
+``"fp8-block"`` (e4m3 values with one scale per 128 x 128 block) and ``"mxfp4"``
+(the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per 32 inputs,
+decoded in registers: every e2m1 value is exact in e4m3, so this is W4A8).
 
 The kernels read the same quantized activations and weights the reference does and
 convert them exactly to fp32, so they differ from it only by summation order.
@@ -32,12 +33,14 @@ from vllm_k3_plugin.model.reference import mxfp4_decode, mxfp4_encode, situ_glu
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)
 MXFP4_BLOCK = 32
+SCALE_BLOCK = 128
 
 
 class ExpertWeights(NamedTuple):
     """``fmt`` "fp8": ``w13`` ``[E, 2I, L]`` fp8 and ``w13_scale`` ``[E, 2I]`` fp32
-    (same for ``w2`` ``[E, L, I]``). "mxfp4": ``w13`` ``[E, 2I, L/2]`` uint8 and
-    ``w13_scale`` ``[E, 2I, L/32]`` uint8."""
+    (same for ``w2`` ``[E, L, I]``). "fp8-block": ``w13_scale`` ``[E, ⌈2I/128⌉,
+    ⌈L/128⌉]`` fp32, one scale per 128 x 128 block. "mxfp4": ``w13`` ``[E, 2I, L/2]``
+    uint8 and ``w13_scale`` ``[E, 2I, L/32]`` uint8."""
 
     fmt: str
     w13: torch.Tensor
@@ -59,6 +62,10 @@ def dequantize(weights: ExpertWeights, which: str) -> torch.Tensor:
     scale = getattr(weights, which + "_scale")
     if weights.fmt == "fp8":
         return values.float() * scale.float()[..., None]
+    if weights.fmt == "fp8-block":
+        _, rows, cols = values.shape
+        expanded = scale.float().repeat_interleave(SCALE_BLOCK, 1)[:, :rows]
+        return values.float() * expanded.repeat_interleave(SCALE_BLOCK, 2)[..., :cols]
     experts, rows, half = values.shape
     flat = mxfp4_decode(values.reshape(-1, half), scale.reshape(experts * rows, -1))
     return flat.reshape(experts, rows, half * 2)
@@ -128,7 +135,7 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-FORMATS = {"fp8": 0, "mxfp4": 1}
+FORMATS = {"fp8": 0, "mxfp4": 1, "fp8-block": 2}
 
 if triton is not None:
 
@@ -149,6 +156,21 @@ if triton is not None:
     ):
         """A ``[BLOCK_N, BLOCK_K]`` fp32 tile of one expert's projection."""
         mask = n_mask[:, None] & k_mask[None, :]
+        if FMT == 2:
+            values = tl.load(
+                w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
+                mask=mask,
+                other=0.0,
+            ).to(tl.float32)
+            scale = tl.load(
+                s_ptr
+                + expert * stride_se
+                + (n[:, None] // 128) * stride_sn
+                + (k[None, :] // 128),
+                mask=mask,
+                other=0.0,
+            )
+            return values * scale
         if FMT == 0:
             values = tl.load(
                 w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
@@ -400,6 +422,28 @@ def fp8_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
     return ExpertWeights("fp8", *quantize_per_row(w13), *quantize_per_row(w2))
 
 
+def quantize_per_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, R, C]`` to FP8 with one scale per 128 x 128 block (edge blocks partial)."""
+    experts, rows, cols = w.shape
+    row_blocks = -(-rows // SCALE_BLOCK)
+    col_blocks = -(-cols // SCALE_BLOCK)
+    padded = w.float().new_zeros(
+        experts, row_blocks * SCALE_BLOCK, col_blocks * SCALE_BLOCK
+    )
+    padded[:, :rows, :cols] = w.float()
+    blocks = padded.view(experts, row_blocks, SCALE_BLOCK, col_blocks, SCALE_BLOCK)
+    peak = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12)
+    scale = peak / FP8_MAX
+    values = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    values = values.view_as(padded)[:, :rows, :cols].to(FP8)
+    return values, scale
+
+
+def fp8_block_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+    """fp32 expert weights quantized to FP8 with a scale per 128 x 128 block."""
+    return ExpertWeights("fp8-block", *quantize_per_block(w13), *quantize_per_block(w2))
+
+
 def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
     """fp32 expert weights rounded to MXFP4, in the checkpoint's packed layout."""
 
@@ -413,6 +457,7 @@ def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
 
 __all__ = [
     "ExpertWeights",
+    "fp8_block_experts_from",
     "fp8_experts_from",
     "latent_moe",
     "latent_moe_reference",

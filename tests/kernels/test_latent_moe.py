@@ -30,21 +30,39 @@ def _close(got, expected, fraction):
     return (got - expected).abs().max() <= fraction * scale
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+BUILDERS = {
+    "fp8": moe.fp8_experts_from,
+    "fp8-block": moe.fp8_block_experts_from,
+    "mxfp4": moe.mxfp4_experts_from,
+}
+
+
+@pytest.mark.parametrize("fmt", list(BUILDERS))
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k"),
     [(1, 8, 2), (5, 8, 2), (33, 16, 4), (4, 896, 16)],  # the last: K3's routing
 )
 def test_kernel_matches_reference(fmt, tokens, experts, top_k):
     z, ids, weights, w13, w2 = _case(tokens, experts, top_k)
-    build = moe.fp8_experts_from if fmt == "fp8" else moe.mxfp4_experts_from
-    packed = build(w13, w2)
+    packed = BUILDERS[fmt](w13, w2)
     got = moe.latent_moe(z, ids, weights, packed)
     expected = moe.latent_moe_reference(z, ids, weights, packed)
     assert _close(got, expected, 1e-4)
     if experts == 896:
         # Most experts receive no token.
         assert len(ids.unique()) <= tokens * top_k < experts
+
+
+def test_block_scales_across_several_blocks():
+    """Latent 320 and inner 160: 128 x 128 scale blocks with partial edge blocks."""
+    z, ids, weights, w13, w2 = _case(6, 4, 2, latent=320, inner=160)
+    packed = moe.fp8_block_experts_from(w13, w2)
+    assert packed.w13_scale.shape == (4, 3, 3) and packed.w2_scale.shape == (4, 3, 2)
+    got = moe.latent_moe(z, ids, weights, packed)
+    expected = moe.latent_moe_reference(z, ids, weights, packed)
+    assert _close(got, expected, 1e-4)
+    # Each block's scale is its own: dequantized weights stay within e4m3 rounding.
+    assert (moe.dequantize(packed, "w13") - w13).abs().max() <= 2**-4 * w13.abs().max()
 
 
 def test_fp8_is_close_to_unquantized_math():
@@ -107,6 +125,6 @@ def test_gpu_benchmark_script_runs_its_smoke_shapes():
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("| mla_decode |") == 1
-    assert run.stdout.count("| latent_moe[") == 2
+    assert run.stdout.count("| latent_moe[") == 3
     assert run.stdout.count("| kda_decode |") == 1
     assert run.stdout.count("| attn_res_mix (PyTorch) |") == 1
