@@ -156,13 +156,18 @@ if triton is not None:
     ):
         """A ``[BLOCK_N, BLOCK_K]`` fp32 tile of one expert's projection."""
         mask = n_mask[:, None] & k_mask[None, :]
-        if FMT == 2:
+        if FMT != 1:  # FP8 values, one per byte
             values = tl.load(
                 w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
                 mask=mask,
                 other=0.0,
             ).to(tl.float32)
-            scale = tl.load(
+            if FMT == 0:
+                scale = tl.load(
+                    s_ptr + expert * stride_se + n * stride_sn, mask=n_mask, other=0.0
+                )
+                return values * scale[:, None]
+            block_scale = tl.load(
                 s_ptr
                 + expert * stride_se
                 + (n[:, None] // 128) * stride_sn
@@ -170,17 +175,7 @@ if triton is not None:
                 mask=mask,
                 other=0.0,
             )
-            return values * scale
-        if FMT == 0:
-            values = tl.load(
-                w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
-                mask=mask,
-                other=0.0,
-            ).to(tl.float32)
-            scale = tl.load(
-                s_ptr + expert * stride_se + n * stride_sn, mask=n_mask, other=0.0
-            )
-            return values * scale[:, None]
+            return values * block_scale
         byte = tl.load(
             w_ptr + expert * stride_we + n[:, None] * stride_wn + (k[None, :] // 2),
             mask=mask,
