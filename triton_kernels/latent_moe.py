@@ -17,8 +17,10 @@ Weight formats: ``"fp8"`` (e4m3 values with one scale per output channel),
 (the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per 32 inputs,
 decoded in registers: every e2m1 value is exact in e4m3, so this is W4A8).
 
-The kernels read the same quantized activations and weights the reference does and
-convert them exactly to fp32, so they differ from it only by summation order.
+The kernels multiply FP8 activations by FP8 weights (MXFP4 values converted to e4m3
+in registers, exactly) with ``tl.dot`` into fp32 and apply the weight scale per K
+tile; every FP8 x FP8 product is exact in fp32, so they differ from the reference
+only by summation order.
 """
 
 from __future__ import annotations
@@ -146,36 +148,37 @@ if triton is not None:
         expert,
         n,
         k,
+        k0,
         stride_we,
         stride_wn,
         stride_se,
         stride_sn,
         n_mask,
         k_mask,
+        FP8_TYPE: tl.constexpr,
         FMT: tl.constexpr,
     ):
-        """A ``[BLOCK_N, BLOCK_K]`` fp32 tile of one expert's projection."""
+        """One expert's ``[BLOCK_N, BLOCK_K]`` tile as FP8 values and the scale of
+        each output row for this K tile (``BLOCK_K`` divides 32, so an MXFP4 or a
+        128-block scale is constant over the tile)."""
         mask = n_mask[:, None] & k_mask[None, :]
         if FMT != 1:  # FP8 values, one per byte
             values = tl.load(
                 w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
                 mask=mask,
                 other=0.0,
-            ).to(tl.float32)
+            )
             if FMT == 0:
                 scale = tl.load(
                     s_ptr + expert * stride_se + n * stride_sn, mask=n_mask, other=0.0
                 )
-                return values * scale[:, None]
-            block_scale = tl.load(
-                s_ptr
-                + expert * stride_se
-                + (n[:, None] // 128) * stride_sn
-                + (k[None, :] // 128),
-                mask=mask,
-                other=0.0,
-            )
-            return values * block_scale
+            else:
+                scale = tl.load(
+                    s_ptr + expert * stride_se + (n // 128) * stride_sn + k0 // 128,
+                    mask=n_mask,
+                    other=0.0,
+                )
+            return values, scale
         byte = tl.load(
             w_ptr + expert * stride_we + n[:, None] * stride_wn + (k[None, :] // 2),
             mask=mask,
@@ -189,13 +192,14 @@ if triton is not None:
             0.5 * mantissa,
             tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * mantissa),
         )
-        value = tl.where((nibble & 0x8) != 0, -magnitude, magnitude)
+        # Every e2m1 value is exact in e4m3.
+        value = tl.where((nibble & 0x8) != 0, -magnitude, magnitude).to(FP8_TYPE)
         e8m0 = tl.load(
-            s_ptr + expert * stride_se + n[:, None] * stride_sn + (k[None, :] // 32),
-            mask=mask,
+            s_ptr + expert * stride_se + n * stride_sn + k0 // 32,
+            mask=n_mask,
             other=127,
         ).to(tl.float32)
-        return value * tl.exp2(e8m0 - 127.0)
+        return value, tl.where(n_mask, tl.exp2(e8m0 - 127.0), 0.0)
 
     @triton.jit
     def _block_rows(rows_ptr, block_expert_ptr, top_k, BLOCK_M: tl.constexpr):
@@ -246,37 +250,20 @@ if triton is not None:
                 a_ptr + token[:, None] * stride_am + k[None, :],
                 mask=valid[:, None] & k_mask[None, :],
                 other=0.0,
-            ).to(tl.float32)
-            w_gate = _load_weight_tile(
-                w_ptr,
-                s_ptr,
-                expert,
-                n,
-                k,
-                stride_we,
-                stride_wn,
-                stride_se,
-                stride_sn,
-                n_mask,
-                k_mask,
-                FMT,
             )
-            w_up = _load_weight_tile(
-                w_ptr,
-                s_ptr,
-                expert,
-                n + inner,
-                k,
-                stride_we,
-                stride_wn,
-                stride_se,
-                stride_sn,
-                n_mask,
-                k_mask,
-                FMT,
-            )
-            gate += tl.dot(a, tl.trans(w_gate), input_precision="ieee")
-            up += tl.dot(a, tl.trans(w_up), input_precision="ieee")
+            w_gate, s_gate = _load_weight_tile(
+                w_ptr, s_ptr, expert, n, k, k0,
+                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
+                a_ptr.dtype.element_ty, FMT,
+            )  # fmt: skip
+            w_up, s_up = _load_weight_tile(
+                w_ptr, s_ptr, expert, n + inner, k, k0,
+                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
+                a_ptr.dtype.element_ty, FMT,
+            )  # fmt: skip
+            # FP8 x FP8 products are exact in the fp32 accumulator.
+            gate += tl.dot(a, tl.trans(w_gate), out_dtype=tl.float32) * s_gate[None, :]
+            up += tl.dot(a, tl.trans(w_up), out_dtype=tl.float32) * s_up[None, :]
         a_scale = tl.load(a_scale_ptr + token, mask=valid, other=0.0)
         gate = gate * a_scale[:, None]
         up = up * a_scale[:, None]
@@ -327,22 +314,13 @@ if triton is not None:
                 h_ptr + m[:, None] * stride_hm + k[None, :],
                 mask=valid[:, None] & k_mask[None, :],
                 other=0.0,
-            ).to(tl.float32)
-            w = _load_weight_tile(
-                w_ptr,
-                s_ptr,
-                expert,
-                n,
-                k,
-                stride_we,
-                stride_wn,
-                stride_se,
-                stride_sn,
-                n_mask,
-                k_mask,
-                FMT,
             )
-            acc += tl.dot(h, tl.trans(w), input_precision="ieee")
+            w, w_scale = _load_weight_tile(
+                w_ptr, s_ptr, expert, n, k, k0,
+                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
+                h_ptr.dtype.element_ty, FMT,
+            )  # fmt: skip
+            acc += tl.dot(h, tl.trans(w), out_dtype=tl.float32) * w_scale[None, :]
         h_scale = tl.load(h_scale_ptr + m, mask=valid, other=0.0)
         routing = tl.load(routing_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
         acc = acc * (h_scale * routing)[:, None]
@@ -373,6 +351,8 @@ def latent_moe(
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
     the reference)."""
+    if 32 % block_k or block_k < 16:
+        raise ValueError(f"block_k {block_k}: must be 16 or 32 (a scale per K tile)")
     reason = _unsupported(z, experts)
     log_path("Latent MoE", reason)
     if reason is not None:
