@@ -387,6 +387,30 @@ def test_the_kernel_path_equals_its_reference_and_is_near_the_pytorch_path(
     assert not torch.equal(got, unquantized)
 
 
+def test_the_kernel_path_quantizes_activations_to_the_platforms_fp8(
+    kernel_model, monkeypatch
+):
+    """On gfx94x ``current_platform.fp8_dtype()`` is e4m3fnuz (max 240): the layer
+    hands it to the kernel, which matches the fnuz reference (1e-4, summation order)
+    and differs from the OCP-e4m3fn result."""
+    from types import SimpleNamespace
+
+    from vllm_k3_plugin.vllm_model import moe as moe_module
+
+    kernels = _moe(kernel_model, 2)
+    z, ids, weights = _routing_case(kernels)
+    ocp = kernels.routed_experts(z, ids, weights)
+    fnuz = torch.float8_e4m3fnuz
+    platform = SimpleNamespace(fp8_dtype=lambda: fnuz)
+    monkeypatch.setattr(moe_module, "current_platform", platform)
+    got = kernels.routed_experts(z, ids, weights)
+    expected = moe_kernel.latent_moe_reference(
+        z, ids, weights, kernels.experts.weights(), fp8_dtype=fnuz, **kernels.betas
+    )
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert not torch.equal(got, ocp)
+
+
 def test_shapes_the_kernel_cannot_hold_keep_the_pytorch_path_and_say_why(
     vllm_config, caplog
 ):

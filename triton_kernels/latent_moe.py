@@ -12,6 +12,10 @@ On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weigh
 5. kernel 2, per block: the down GEMM against ``w2`` ``[E, L, I]``, dequantized, times
    the routing weight, added into the token's output row.
 
+FP8 is OCP ``float8_e4m3fn`` (MI355X, CUDA) or ``float8_e4m3fnuz`` (gfx94x, max 240):
+FP8 weights carry their own dtype and the activations follow it; for MXFP4 weights the
+caller names the activation dtype (``fp8_dtype``, the platform's FP8).
+
 Weight formats: ``"fp8"`` (e4m3 values with one scale per output channel),
 ``"fp8-block"`` (e4m3 values with one scale per 128 x 128 block) and ``"mxfp4"``
 (the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per 32 inputs,
@@ -33,7 +37,7 @@ from k3_triton_kernels.runtime import log_path, triton_blocker
 from vllm_k3_plugin.model.reference import mxfp4_decode, mxfp4_encode, situ_glu
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 MXFP4_BLOCK = 32
 SCALE_BLOCK = 128
 
@@ -51,11 +55,33 @@ class ExpertWeights(NamedTuple):
     w2_scale: torch.Tensor
 
 
-def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_row(
+    x: torch.Tensor, dtype: torch.dtype = FP8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 with one scale per row (the last dim): ``(values, scale [...])``."""
+    fp8_max = float(torch.finfo(dtype).max)
     peak = x.float().abs().amax(dim=-1).clamp_min(1e-12)
-    scale = peak / FP8_MAX
-    return (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = peak / fp8_max
+    return (x.float() / scale[..., None]).clamp(-fp8_max, fp8_max).to(dtype), scale
+
+
+def activation_dtype(
+    experts: ExpertWeights, fp8_dtype: torch.dtype | None = None
+) -> torch.dtype:
+    """The FP8 dtype of the activations: FP8 weights' own dtype, else ``fp8_dtype``
+    (default OCP e4m3fn)."""
+    if experts.fmt == "mxfp4":
+        dtype = FP8 if fp8_dtype is None else fp8_dtype
+    else:
+        dtype = experts.w13.dtype
+        if fp8_dtype is not None and fp8_dtype != dtype:
+            raise ValueError(
+                f"activations in {fp8_dtype} against {dtype} weights: FP8 weights "
+                "and activations must share one FP8 dtype"
+            )
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{dtype} is not an FP8 dtype the MoE reads ({FP8_DTYPES})")
+    return dtype
 
 
 def dequantize(weights: ExpertWeights, which: str) -> torch.Tensor:
@@ -84,19 +110,21 @@ def latent_moe_reference(
     *,
     beta: float = 4.0,
     linear_beta: float = 25.0,
+    fp8_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     tokens, latent = z.shape
+    dtype = activation_dtype(experts, fp8_dtype)
     w13 = dequantize(experts, "w13")
     w2 = dequantize(experts, "w2")
     inner = w13.shape[1] // 2
-    z_q, z_scale = quantize_per_row(z)
+    z_q, z_scale = quantize_per_row(z, dtype)
     z_deq = z_q.float() * z_scale[:, None]
     out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
     for expert in ids.unique().tolist():
         rows, slots = (ids == expert).nonzero(as_tuple=True)
         gate_up = z_deq[rows] @ w13[expert].T
         h = situ_glu(gate_up[:, :inner], gate_up[:, inner:], beta, linear_beta)
-        h_q, h_scale = quantize_per_row(h)
+        h_q, h_scale = quantize_per_row(h, dtype)
         down = (h_q.float() * h_scale[:, None]) @ w2[expert].T
         out.index_add_(0, rows, weights[rows, slots, None].float() * down)
     return out
@@ -348,23 +376,26 @@ def latent_moe(
     block_m: int = 16,
     block_n: int = 32,
     block_k: int = 32,
+    fp8_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
-    the reference)."""
+    the reference). ``fp8_dtype``: the activations' FP8 dtype for MXFP4 weights."""
     if 32 % block_k or block_k < 16:
         raise ValueError(f"block_k {block_k}: must be 16 or 32 (a scale per K tile)")
+    dtype = activation_dtype(experts, fp8_dtype)
     reason = _unsupported(z, experts)
     log_path("Latent MoE", reason)
     if reason is not None:
         return latent_moe_reference(
-            z, ids, weights, experts, beta=beta, linear_beta=linear_beta
-        )
+            z, ids, weights, experts, beta=beta, linear_beta=linear_beta,
+            fp8_dtype=dtype,
+        )  # fmt: skip
     tokens, latent = z.shape
     top_k = ids.shape[1]
     num_experts = experts.w13.shape[0]
     inner = experts.w13.shape[1] // 2
     fmt = FORMATS[experts.fmt]
-    z_q, z_scale = quantize_per_row(z)
+    z_q, z_scale = quantize_per_row(z, dtype)
     rows, block_expert = sort_by_expert(ids, num_experts, block_m)
     out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
     if rows.numel() == 0:
@@ -378,7 +409,7 @@ def latent_moe(
         h.stride(0), beta, linear_beta,
         FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
-    h_q, h_scale = quantize_per_row(h)
+    h_q, h_scale = quantize_per_row(h, dtype)
     h_scale = torch.where(rows >= 0, h_scale, torch.zeros_like(h_scale))
     w2, s2 = experts.w2, experts.w2_scale
     routing = weights.reshape(-1).float().contiguous()
@@ -392,13 +423,20 @@ def latent_moe(
     return out
 
 
-def fp8_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+def fp8_experts_from(
+    w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = FP8
+) -> ExpertWeights:
     """fp32 expert weights quantized to FP8 with a scale per output channel."""
-    return ExpertWeights("fp8", *quantize_per_row(w13), *quantize_per_row(w2))
+    return ExpertWeights(
+        "fp8", *quantize_per_row(w13, dtype), *quantize_per_row(w2, dtype)
+    )
 
 
-def quantize_per_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_block(
+    w: torch.Tensor, dtype: torch.dtype = FP8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[E, R, C]`` to FP8 with one scale per 128 x 128 block (edge blocks partial)."""
+    fp8_max = float(torch.finfo(dtype).max)
     experts, rows, cols = w.shape
     row_blocks = -(-rows // SCALE_BLOCK)
     col_blocks = -(-cols // SCALE_BLOCK)
@@ -408,15 +446,19 @@ def quantize_per_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:, :rows, :cols] = w.float()
     blocks = padded.view(experts, row_blocks, SCALE_BLOCK, col_blocks, SCALE_BLOCK)
     peak = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12)
-    scale = peak / FP8_MAX
-    values = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    values = values.view_as(padded)[:, :rows, :cols].to(FP8)
+    scale = peak / fp8_max
+    values = (blocks / scale[:, :, None, :, None]).clamp(-fp8_max, fp8_max)
+    values = values.view_as(padded)[:, :rows, :cols].to(dtype)
     return values, scale
 
 
-def fp8_block_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+def fp8_block_experts_from(
+    w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = FP8
+) -> ExpertWeights:
     """fp32 expert weights quantized to FP8 with a scale per 128 x 128 block."""
-    return ExpertWeights("fp8-block", *quantize_per_block(w13), *quantize_per_block(w2))
+    return ExpertWeights(
+        "fp8-block", *quantize_per_block(w13, dtype), *quantize_per_block(w2, dtype)
+    )
 
 
 def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
@@ -432,6 +474,7 @@ def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
 
 __all__ = [
     "ExpertWeights",
+    "activation_dtype",
     "fp8_block_experts_from",
     "fp8_experts_from",
     "latent_moe",

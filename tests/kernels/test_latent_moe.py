@@ -53,6 +53,40 @@ def test_kernel_matches_reference(fmt, tokens, experts, top_k):
         assert len(ids.unique()) <= tokens * top_k < experts
 
 
+FNUZ = torch.float8_e4m3fnuz
+
+
+@pytest.mark.parametrize("fmt", list(BUILDERS))
+def test_fnuz_activations_and_weights_for_gfx94x(fmt):
+    """gfx94x's e4m3fnuz (max 240): FP8 weights in fnuz set the activations' dtype;
+    MXFP4 weights take it from ``fp8_dtype``. The kernel still matches the reference
+    to 1e-4, and both stay within e4m3 rounding of the OCP-e4m3fn result."""
+    z, ids, weights, w13, w2 = _case(7, 8, 2)
+    if fmt == "mxfp4":
+        packed, fp8_dtype = moe.mxfp4_experts_from(w13, w2), FNUZ
+        ocp = packed
+    else:
+        packed, fp8_dtype = BUILDERS[fmt](w13, w2, FNUZ), None
+        ocp = BUILDERS[fmt](w13, w2)
+        assert packed.w13.dtype == FNUZ
+    assert moe.activation_dtype(packed, fp8_dtype) == FNUZ
+    got = moe.latent_moe(z, ids, weights, packed, fp8_dtype=fp8_dtype)
+    expected = moe.latent_moe_reference(z, ids, weights, packed, fp8_dtype=fp8_dtype)
+    assert _close(got, expected, 1e-4)
+    assert _close(got, moe.latent_moe_reference(z, ids, weights, ocp), 0.1)
+    assert not torch.equal(got, moe.latent_moe(z, ids, weights, ocp))
+
+
+def test_fp8_weights_and_activations_must_share_a_dtype():
+    z, ids, weights, w13, w2 = _case(2, 4, 1)
+    with pytest.raises(ValueError, match="share one FP8 dtype"):
+        moe.latent_moe(z, ids, weights, moe.fp8_experts_from(w13, w2), fp8_dtype=FNUZ)
+    with pytest.raises(ValueError, match="not an FP8 dtype"):
+        moe.latent_moe(
+            z, ids, weights, moe.mxfp4_experts_from(w13, w2), fp8_dtype=torch.bfloat16
+        )
+
+
 def test_block_scales_across_several_blocks():
     """Latent 320 and inner 160: 128 x 128 scale blocks with partial edge blocks."""
     z, ids, weights, w13, w2 = _case(6, 4, 2, latent=320, inner=160)

@@ -14,7 +14,8 @@ The routed experts arrive MXFP4-packed. Two paths, chosen when the layer is buil
   times its power-of-two scale, exactly) and the experts run as PyTorch matmuls;
 - ``triton``: the packed bytes and scales stay as they are, stacked per projection
   (``w13`` = gate rows then up rows), and ``k3_triton_kernels.latent_moe`` runs them
-  as W4A8 (FP8 activations with per-token scales). It needs this rank's slice of the
+  as W4A8 (activations in the platform's FP8, ``float8_e4m3fn`` or gfx94x's
+  ``float8_e4m3fnuz``, with per-token scales). It needs this rank's slice of the
   intermediate dimension to be a whole number of 32-wide MXFP4 scale blocks; where
   it is not, the layer keeps the PyTorch path and says why once.
 """
@@ -36,6 +37,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
+from vllm.platforms import current_platform
 
 from k3_triton_kernels.latent_moe import ExpertWeights, latent_moe
 from k3_triton_kernels.runtime import log_path
@@ -230,7 +232,14 @@ class LatentMoe(nn.Module):
     def routed_experts(self, z, ids, weights) -> torch.Tensor:
         """``Σ_k w_k · expert_k(z)`` in fp32 (this rank's partial sum under TP)."""
         if self.use_kernels:
-            return latent_moe(z, ids, weights, self.experts.weights(), **self.betas)
+            return latent_moe(
+                z,
+                ids,
+                weights,
+                self.experts.weights(),
+                fp8_dtype=current_platform.fp8_dtype(),
+                **self.betas,
+            )
         routed = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
         for expert_id in ids.unique().tolist():
             expert = self.experts[expert_id]
