@@ -5,8 +5,9 @@ vLLM keeps each request's KDA state in its hybrid cache: a conv state (the last
 the recurrent state ``[heads, K, V]`` in fp32. The GDN metadata backend tells the layer,
 per scheduled sequence, which tokens are its own, which cache slot holds its state and
 whether that state is already initialized (a continued prefill or a decode) or not (a
-new request). This layer reads and writes those slots. Prefill chunks run the PyTorch
-reference (``vllm_k3_plugin.model.reference``), one sequence at a time; with
+new request). This layer reads and writes those slots. Prefill chunks run in PyTorch,
+one sequence at a time: the reference conv and gate, and the delta rule in its
+chunked form (``vllm_k3_plugin.model.kda_chunk``); with
 ``VLLM_K3_KERNELS=triton`` the batch's decode tokens (one new token of an initialized
 sequence) run ``k3_triton_kernels.kda_decode`` in one launch, else the reference too.
 
@@ -42,6 +43,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from k3_triton_kernels.kda_decode import kda_decode
 from k3_triton_kernels.runtime import log_path
 from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.model.kda_chunk import kda_chunked
 from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 
 
@@ -231,13 +233,14 @@ class KdaAttention(nn.Module, MambaBase):
             g = ref.kda_gate(
                 u.reshape(end - begin, *shaped), self.A_log, self.lower_bound
             )
-            o, state_out = ref.kda_recurrence(
+            o, state_out = kda_chunked(
                 ref.l2_normalize(q) / self.head_dim**0.5,
                 ref.l2_normalize(k),
                 v,
                 g,
                 beta[begin:end],
                 state_in,
+                lower_bound=self.lower_bound,
             )
             out[begin:end] = o
             conv_cache[slot] = conv_out.to(conv_cache.dtype)
