@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_k3_plugin.model.reference import starting_state
+
 EXPONENT_SPAN = 80.0
 MAX_CHUNK = 64
 
@@ -138,11 +140,7 @@ def kda_chunked(
     state)``."""
     tokens, heads, key_dim = k.shape
     value_dim = v.shape[-1]
-    s = (
-        torch.zeros(heads, key_dim, value_dim, dtype=torch.float32, device=q.device)
-        if state is None
-        else state.float().clone()
-    )
+    s = starting_state(state, heads, key_dim, value_dim, q.device)
     if tokens == 0:
         return q.new_zeros(0, heads, value_dim, dtype=torch.float32), s
     terms = chunk_terms(q, k, v, g, beta, chunk_size_for(lower_bound))

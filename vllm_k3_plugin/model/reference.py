@@ -151,6 +151,15 @@ def causal_conv_silu(
     return torch.nn.functional.silu(y), padded[:, -(width - 1) :].clone()
 
 
+def starting_state(state, heads: int, key_dim: int, value_dim: int, device):
+    """A fp32 copy of ``state`` ``[H, K, V]`` to update, or zeros for a new sequence."""
+    if state is None:
+        return torch.zeros(
+            heads, key_dim, value_dim, dtype=torch.float32, device=device
+        )
+    return state.float().clone()
+
+
 def kda_recurrence(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -167,11 +176,7 @@ def kda_recurrence(
     ``o = Sᵀ q``. Returns ``(o [T, H, V], final state)``."""
     tokens, heads, key_dim = k.shape
     value_dim = v.shape[-1]
-    s = (
-        torch.zeros(heads, key_dim, value_dim, dtype=torch.float32, device=q.device)
-        if state is None
-        else state.float().clone()
-    )
+    s = starting_state(state, heads, key_dim, value_dim, q.device)
     out = torch.empty(tokens, heads, value_dim, dtype=torch.float32, device=q.device)
     for t in range(tokens):
         s = s * g[t].float().exp()[..., None]
