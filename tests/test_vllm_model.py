@@ -68,9 +68,12 @@ def test_the_server_loads_our_model_class(model_server, model_server_log):
     assert "vllm_k3_plugin" in log and "Traceback" not in log
 
 
+KERNELS = ("MLA decode", "Latent MoE", "KDA prefill state pass", "KDA decode")
+
+
 def test_each_kernel_says_it_runs_its_pytorch_path(alone, model_server_log):
     log = model_server_log.read_text(errors="replace")
-    for kernel in ("MLA decode", "Latent MoE", "KDA decode"):
+    for kernel in KERNELS:
         assert f"{kernel}: PyTorch path (VLLM_K3_KERNELS=pytorch)" in log
         assert f"{kernel}: Triton kernel" not in log
 

@@ -7,9 +7,10 @@ per scheduled sequence, which tokens are its own, which cache slot holds its sta
 whether that state is already initialized (a continued prefill or a decode) or not (a
 new request). This layer reads and writes those slots. Prefill chunks run in PyTorch,
 one sequence at a time: the reference conv and gate, and the delta rule in its
-chunked form (``vllm_k3_plugin.model.kda_chunk``); with
-``VLLM_K3_KERNELS=triton`` the batch's decode tokens (one new token of an initialized
-sequence) run ``k3_triton_kernels.kda_decode`` in one launch, else the reference too.
+chunked form (``vllm_k3_plugin.model.kda_chunk``). With ``VLLM_K3_KERNELS=triton`` the
+chunks' state pass runs ``k3_triton_kernels.kda_chunk_state`` and the batch's decode
+tokens (one new token of an initialized sequence) run ``k3_triton_kernels.kda_decode``
+in one launch; else both stay in PyTorch.
 
 Heads shard over tensor parallelism; every rank keeps the state of its own heads.
 """
@@ -40,10 +41,11 @@ from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from k3_triton_kernels.kda_chunk_state import kda_state_pass
 from k3_triton_kernels.kda_decode import kda_decode
 from k3_triton_kernels.runtime import log_path
 from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.kda_chunk import kda_chunked
+from vllm_k3_plugin.model.kda_chunk import kda_chunked, state_pass
 from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 
 
@@ -97,7 +99,9 @@ class KdaAttention(nn.Module, MambaBase):
         self.kernel = kda["short_conv_kernel_size"]
         self.use_kernels = use_triton_kernels()
         if not self.use_kernels:
+            log_path("KDA prefill state pass", "VLLM_K3_KERNELS=pytorch")
             log_path("KDA decode", "VLLM_K3_KERNELS=pytorch")
+        self.run_state_pass = kda_state_pass if self.use_kernels else state_pass
         width = self.num_heads * self.head_dim
         self.local_width = width // self.tp_size
 
@@ -241,6 +245,7 @@ class KdaAttention(nn.Module, MambaBase):
                 beta[begin:end],
                 state_in,
                 lower_bound=self.lower_bound,
+                run_state_pass=self.run_state_pass,
             )
             out[begin:end] = o
             conv_cache[slot] = conv_out.to(conv_cache.dtype)

@@ -1,0 +1,83 @@
+"""The chunked KDA prefill's state pass: the Triton kernel against the PyTorch loop.
+
+Tolerance: 1e-5 of the largest magnitude of the output and of the final state. Both
+run fp32 arithmetic on the same terms (the kernel's dots in ``ieee`` fp32); they
+differ in summation order only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3_triton_kernels.kda_chunk_state import kda_state_pass, kda_state_pass_reference
+from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.model.kda_chunk import chunk_terms, kda_chunked
+
+
+def _inputs(tokens, heads, key_dim, value_dim, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = ref.l2_normalize(torch.randn(tokens, heads, key_dim, generator=generator))
+    k = ref.l2_normalize(torch.randn(tokens, heads, key_dim, generator=generator))
+    v = torch.randn(tokens, heads, value_dim, generator=generator)
+    u = torch.randn(tokens, heads, key_dim, generator=generator)
+    g = ref.kda_gate(u, torch.zeros(heads))
+    beta = torch.rand(tokens, heads, generator=generator)
+    state = torch.randn(heads, key_dim, value_dim, generator=generator)
+    return (q / key_dim**0.5, k, v, g, beta), state
+
+
+def _close(got, expected, fraction=1e-5):
+    return (got - expected).abs().max() <= fraction * expected.abs().max()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "key_dim", "value_dim"),
+    [
+        (1, 2, 16, 16),  # one token, one padded chunk
+        (16, 1, 32, 32),  # exactly one chunk
+        (45, 3, 32, 40),  # V not a multiple of the V block: masked columns
+        (100, 2, 128, 128),  # K3's head dims (K3 has 96 heads before TP)
+    ],
+)
+def test_kernel_matches_the_pytorch_state_pass(tokens, heads, key_dim, value_dim):
+    inputs, state = _inputs(tokens, heads, key_dim, value_dim)
+    terms = chunk_terms(*inputs, chunk=16)
+    expected_out, expected_state = kda_state_pass_reference(terms, state.clone())
+    got_out, got_state = kda_state_pass(terms, state.clone())
+    assert _close(got_out, expected_out) and _close(got_state, expected_state)
+
+
+def test_kernel_prefill_matches_the_per_token_definition():
+    inputs, state = _inputs(37, 2, 64, 64, seed=3)
+    got, got_state = kda_chunked(*inputs, state, run_state_pass=kda_state_pass)
+    expected, expected_state = ref.kda_recurrence(*inputs, state)
+    assert _close(got, expected) and _close(got_state, expected_state)
+
+
+def test_kernel_updates_the_state_in_place():
+    inputs, state = _inputs(20, 2, 16, 16)
+    terms = chunk_terms(*inputs, chunk=16)
+    given = state.clone()
+    _, final = kda_state_pass(terms, given)
+    assert final.data_ptr() == given.data_ptr()
+    assert not torch.equal(given, state)
+
+
+@pytest.mark.parametrize(
+    ("key_dim", "chunk", "why"),
+    [
+        (24, 16, "key head dim 24 is not a power of 2"),
+        (16, 8, "chunk length 8"),
+    ],
+)
+def test_shapes_the_kernel_does_not_tile_run_the_reference_and_say_why(
+    key_dim, chunk, why, caplog
+):
+    inputs, state = _inputs(10, 2, key_dim, 16)
+    terms = chunk_terms(*inputs, chunk=chunk)
+    with caplog.at_level("INFO", logger="vllm.k3_plugin.kernels"):
+        got_out, got_state = kda_state_pass(terms, state.clone())
+    expected_out, expected_state = kda_state_pass_reference(terms, state.clone())
+    assert torch.equal(got_out, expected_out) and torch.equal(got_state, expected_state)
+    assert f"KDA prefill state pass: PyTorch path ({why}" in caplog.text
