@@ -7,10 +7,12 @@ For each kernel and shape it prints the time, achieved TB/s and TFLOP/s, the fra
 of the chip's roofline (MI355X: 8 TB/s, ~5 PFLOP/s dense FP8; H200: 4.8 TB/s, ~1.98
 PFLOP/s dense FP8), and the ratio against vLLM's Triton kernel for the same job
 (``decode_attention_fwd`` for MLA decode, ``fused_experts`` for the MoE), when that
-kernel runs here; a baseline that fails is reported, not hidden. Two rows are inputs
-to decisions rather than kernels of ours being judged: the KDA decode step against its
-PyTorch reference, and the attention-residual mix as PyTorch runs it today (how far
-it sits below the HBM roofline is what a fused mix kernel could win).
+kernel runs here; a baseline that fails is reported, not hidden. The KDA prefill
+(chunked terms plus the Triton state pass) is set against vLLM's ``chunk_kda``. Some
+rows are inputs to decisions rather than kernels of ours being judged: the KDA decode
+step against its PyTorch reference, the chunked PyTorch prefill against the per-token
+definition, and the attention-residual mix as PyTorch runs it today (how far it sits
+below the HBM roofline is what a fused mix kernel could win).
 
 Bytes are what the job must read and write at least (the FP8 cache rows of every
 sequence; each used expert's weights once, plus activations); FLOPs are the GEMM
@@ -80,6 +82,13 @@ def kda_cases(smoke: bool):
     return [(b, 12, 128) for b in (1, 32, 256)]
 
 
+def kda_prefill_cases(smoke: bool):
+    if smoke:
+        return [(20, 2, 16)]
+    # prompt tokens in one scheduler step, heads per device (96 over TP8), head dim
+    return [(t, 12, 128) for t in (2048, 16384)]
+
+
 def mix_cases(smoke: bool):
     if smoke:
         return [(4, 3, 64)]
@@ -135,6 +144,122 @@ def bench_kda(device, smoke, warmup, repeats):
                 "vllm_s": reference_s,
                 "vllm_note": None,
                 "baseline": "our PyTorch reference",
+            }
+        )
+    return rows
+
+
+CHUNK_KDA_MODULES = (
+    "vllm.models.kimi_k3.nvidia.ops.third_party.kda.chunk",
+    "vllm.models.kimi_k3.amd.ops.third_party.kda.chunk",
+    "vllm.third_party.flash_linear_attention.ops.kda",
+    "vllm.model_executor.layers.fla.ops.kda",
+)
+
+
+def _vllm_chunk_kda(q, k, v, g, beta, state, warmup, repeats, cuda):
+    """vLLM's in-tree ``chunk_kda`` (its port of flash-linear-attention) on the same
+    prompt: bf16 q/k/v as a real layer hands them over, fp32 gate and state."""
+    if not cuda:
+        return None, "vLLM's Triton kernels need a GPU"
+    try:
+        import importlib
+
+        import torch
+
+        chunk_kda = None
+        for name in CHUNK_KDA_MODULES:
+            try:
+                chunk_kda = importlib.import_module(name).chunk_kda
+                break
+            except (ImportError, AttributeError):
+                continue
+        if chunk_kda is None:
+            return None, "vLLM's chunk_kda not found in this vLLM"
+        tokens = q.shape[0]
+        q2, k2, v2 = (x[None].to(torch.bfloat16).contiguous() for x in (q, k, v))
+        g2, beta2 = g[None].float().contiguous(), beta[None].float().contiguous()
+        cu_seqlens = torch.tensor([0, tokens], device=q.device, dtype=torch.int32)
+        initial = state[None].contiguous()
+
+        def run():
+            chunk_kda(
+                q2, k2, v2, g2, beta2, scale=1.0, initial_state=initial.clone(),
+                output_final_state=True, cu_seqlens=cu_seqlens,
+            )  # fmt: skip
+
+        return timed(run, warmup=warmup, repeats=repeats, cuda=True), ""
+    except Exception as error:  # a baseline that does not run is reported
+        return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
+
+
+def bench_kda_prefill(device, smoke, warmup, repeats):
+    """The chunked KDA prefill of one prompt: our terms (PyTorch, batched) plus the
+    Triton state pass, against vLLM's ``chunk_kda``; and the same chunked form with
+    the PyTorch state pass against the per-token definition (what the chunking
+    alone wins)."""
+    import torch
+
+    from k3_triton_kernels.kda_chunk_state import kda_state_pass
+    from vllm_k3_plugin.model import reference as ref
+    from vllm_k3_plugin.model.kda_chunk import kda_chunked
+
+    rows = []
+    cuda = device.type == "cuda"
+    for tokens, heads, dim in kda_prefill_cases(smoke):
+        generator = torch.Generator().manual_seed(0)
+
+        def randn(*shape, generator=generator):
+            return torch.randn(*shape, generator=generator).to(device)
+
+        q = ref.l2_normalize(randn(tokens, heads, dim)) / dim**0.5
+        k = ref.l2_normalize(randn(tokens, heads, dim))
+        v = randn(tokens, heads, dim)
+        g = ref.kda_gate(randn(tokens, heads, dim), randn(heads))
+        beta = torch.sigmoid(randn(tokens, heads))
+        state = randn(heads, dim, dim) / dim**0.5
+        inputs = (q, k, v, g, beta)
+        # at least: q, k, v, g in bf16, beta, the output, the state in and out
+        moved = tokens * heads * (4 * dim * 2 + 4 + dim * 2) + 2 * heads * dim * dim * 4
+        flops = tokens * heads * 4 * 2 * dim * dim
+        shape = f"T={tokens} H={heads} K=V={dim}"
+        ours = timed(
+            lambda inputs=inputs, state=state: kda_chunked(
+                *inputs, state, run_state_pass=kda_state_pass
+            ),
+            warmup=warmup,
+            repeats=repeats,
+            cuda=cuda,
+        )
+        row = {"kernel": "kda_prefill[triton state pass]", "shape": shape}
+        row.update(s=ours, bytes=moved, flops=flops)
+        row["vllm_s"], row["vllm_note"] = _vllm_chunk_kda(
+            *inputs, state, warmup, repeats, cuda
+        )
+        row["baseline"] = "vLLM chunk_kda"
+        rows.append(row)
+        chunked = timed(
+            lambda inputs=inputs, state=state: kda_chunked(*inputs, state),
+            warmup=min(warmup, 1),
+            repeats=max(1, repeats // 10),
+            cuda=cuda,
+        )
+        per_token = timed(
+            lambda inputs=inputs, state=state: ref.kda_recurrence(*inputs, state),
+            warmup=0,
+            repeats=1,
+            cuda=cuda,
+        )
+        rows.append(
+            {
+                "kernel": "kda_prefill[PyTorch chunked]",
+                "shape": shape,
+                "s": chunked,
+                "bytes": moved,
+                "flops": flops,
+                "vllm_s": per_token,
+                "vllm_note": None,
+                "baseline": "our per-token PyTorch definition",
             }
         )
     return rows
@@ -249,6 +374,46 @@ def _vllm_mla(q, cache, table, lens, warmup, repeats, cuda):
         return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
 
 
+def _vllm_moe(z, ids, weights, packed, warmup, repeats, cuda):
+    """vLLM's ``fused_experts`` on the same FP8 weights and routing: the same two
+    GEMMs with dynamic per-token FP8 activations (per-channel weights) or 1x128
+    activation groups (128x128-block weights); its GLU is SiLU, not SiTU, which is
+    element-wise and does not change the GEMM work."""
+    if not cuda:
+        return None, "vLLM's Triton kernels need a GPU"
+    try:
+        import torch
+        from vllm.model_executor.layers.fused_moe.config import (
+            fp8_w8a8_moe_quant_config,
+        )
+        from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+        block = packed.fmt == "fp8-block"
+        w13_scale, w2_scale = packed.w13_scale, packed.w2_scale
+        if not block:
+            w13_scale, w2_scale = w13_scale[..., None], w2_scale[..., None]
+        quant = fp8_w8a8_moe_quant_config(
+            w1_scale=w13_scale.float().contiguous(),
+            w2_scale=w2_scale.float().contiguous(),
+            per_act_token_quant=not block,
+            per_out_ch_quant=not block,
+            block_shape=[128, 128] if block else None,
+        )
+        hidden = z.to(torch.bfloat16)
+        topk_ids = ids.to(torch.int32)
+        topk_weights = weights.float()
+
+        def run():
+            fused_experts(
+                hidden, packed.w13, packed.w2, topk_weights, topk_ids,
+                quant_config=quant,
+            )  # fmt: skip
+
+        return timed(run, warmup=warmup, repeats=repeats, cuda=True), ""
+    except Exception as error:  # a baseline that does not run is reported
+        return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
+
+
 def bench_moe(device, smoke, warmup, repeats):
     import torch
 
@@ -291,12 +456,14 @@ def bench_moe(device, smoke, warmup, repeats):
                 "s": seconds,
                 "bytes": moved,
                 "flops": flops,
-                "vllm_s": None,
-                "vllm_note": "vLLM's fused_experts has no SiTU / latent-norm form; "
-                "baseline not comparable"
-                if fmt.startswith("fp8")
-                else "no vLLM W4A8 MXFP4 baseline",
             }
+            if fmt.startswith("fp8"):
+                row["vllm_s"], row["vllm_note"] = _vllm_moe(
+                    z, ids, weights, packed, warmup, repeats, cuda
+                )
+                row["baseline"] = "vLLM fused_experts (SiLU-GLU in place of SiTU)"
+            else:
+                row["vllm_s"], row["vllm_note"] = None, "no vLLM W4A8 MXFP4 baseline"
             rows.append(row)
     return rows
 
@@ -327,6 +494,7 @@ def main(argv=None) -> int:
     rows = bench_mla(device, args.smoke, warmup, repeats)
     rows += bench_moe(device, args.smoke, warmup, repeats)
     rows += bench_kda(device, args.smoke, warmup, repeats)
+    rows += bench_kda_prefill(device, args.smoke, warmup, repeats)
     rows += bench_attn_res_mix(device, args.smoke, warmup, repeats)
     print(f"{name}\n")
     print(

@@ -161,4 +161,5 @@ def test_gpu_benchmark_script_runs_its_smoke_shapes():
     assert run.stdout.count("| mla_decode |") == 1
     assert run.stdout.count("| latent_moe[") == 3
     assert run.stdout.count("| kda_decode |") == 1
+    assert run.stdout.count("| kda_prefill[") == 2
     assert run.stdout.count("| attn_res_mix (PyTorch) |") == 1
