@@ -87,6 +87,15 @@ def test_a_prompt_split_anywhere_carries_its_state():
     assert _close(torch.cat(pieces), whole) and _close(state, whole_state)
 
 
+@pytest.mark.parametrize("window_tokens", [16, 40, 1])
+def test_a_long_prompt_runs_in_bounded_windows_with_the_same_result(window_tokens):
+    """Windows of whole chunks (40 rounds down to 32; 1 rounds up to one chunk)."""
+    inputs = _inputs(75, 2, 16, 16)
+    whole, whole_state = kda_chunked(*inputs)
+    windowed, windowed_state = kda_chunked(*inputs, window_tokens=window_tokens)
+    assert _close(windowed, whole, 1e-6) and _close(windowed_state, whole_state, 1e-6)
+
+
 def test_no_tokens_returns_the_state_unchanged():
     q, k, v, g, beta = _inputs(3, 2, 8, 4)
     state = torch.randn(2, 8, 4)

@@ -122,6 +122,9 @@ def state_pass(
 StatePass = Callable[[ChunkTerms, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+WINDOW_TOKENS = 4096
+
+
 def kda_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -132,20 +135,30 @@ def kda_chunked(
     *,
     lower_bound: float = -5.0,
     run_state_pass: StatePass = state_pass,
+    window_tokens: int = WINDOW_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kda_recurrence``'s contract (``q, k`` ``[T, H, K]`` normalized, ``v``
     ``[T, H, V]``, ``g`` ``[T, H, K]`` log decay in ``[lower_bound, 0]``, ``beta``
     ``[T, H]``, ``state`` ``[H, K, V]``), computed per chunk. ``run_state_pass``:
-    ``state_pass`` or a kernel with its contract. Returns ``(o [T, H, V], final
-    state)``."""
+    ``state_pass`` or a kernel with its contract. The terms of at most
+    ``window_tokens`` (rounded down to whole chunks) are held at once, about ten
+    fp32 tensors of ``window · H · K``, so a long prompt's memory stays bounded.
+    Returns ``(o [T, H, V], final state)``."""
     tokens, heads, key_dim = k.shape
     value_dim = v.shape[-1]
     s = starting_state(state, heads, key_dim, value_dim, q.device)
-    if tokens == 0:
-        return q.new_zeros(0, heads, value_dim, dtype=torch.float32), s
-    terms = chunk_terms(q, k, v, g, beta, chunk_size_for(lower_bound))
-    out, s = run_state_pass(terms, s)
-    return out.transpose(1, 2).reshape(-1, heads, value_dim)[:tokens], s
+    out = torch.empty(tokens, heads, value_dim, dtype=torch.float32, device=q.device)
+    chunk = chunk_size_for(lower_bound)
+    window = max(chunk, window_tokens // chunk * chunk)
+    for begin in range(0, tokens, window):
+        end = min(begin + window, tokens)
+        part = (x[begin:end] for x in (q, k, v, g, beta))
+        terms = chunk_terms(*part, chunk)
+        chunk_out, s = run_state_pass(terms, s)
+        out[begin:end] = chunk_out.transpose(1, 2).reshape(-1, heads, value_dim)[
+            : end - begin
+        ]
+    return out, s
 
 
 __all__ = ["ChunkTerms", "chunk_size_for", "chunk_terms", "kda_chunked", "state_pass"]
