@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.kda_chunk import chunk_size_for, kda_chunked
+from vllm_k3_plugin.model.kda_chunk import (
+    WINDOW_BYTES,
+    chunk_size_for,
+    chunk_terms,
+    kda_chunked,
+    state_pass,
+    window_tokens_for,
+)
 
 
 def _inputs(tokens, heads, key_dim, value_dim, lower_bound=-5.0, saturate=False):
@@ -101,3 +108,76 @@ def test_no_tokens_returns_the_state_unchanged():
     state = torch.randn(2, 8, 4)
     out, final = kda_chunked(q[:0], k[:0], v[:0], g[:0], beta[:0], state)
     assert out.shape == (0, 2, 4) and torch.equal(final, state)
+
+
+def test_gates_below_the_bound_are_read_at_the_bound():
+    """A ``g`` under the lower bound would overflow ``e^{−G}``; it is read as the
+    bound, the value K3's gate ``lb · sigmoid(·)`` saturates at."""
+    q, k, v, g, beta = _inputs(40, 2, 16, 16)
+    g = g.clone()
+    g[5:30:3] = -60.0
+    out, final = kda_chunked(q, k, v, g, beta)
+    expected_out, expected_final = ref.kda_recurrence(q, k, v, g.clamp(min=-5.0), beta)
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    assert _close(out, expected_out) and _close(final, expected_final)
+
+
+@pytest.fixture
+def tf32_everywhere():
+    """What vLLM may set process-wide."""
+    backends = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    saved = [backend.fp32_precision for backend in backends]
+    for backend in backends:
+        backend.fp32_precision = "tf32"
+    yield
+    for backend, precision in zip(backends, saved):
+        backend.fp32_precision = precision
+
+
+def test_the_terms_and_state_pass_run_in_ieee_fp32_and_the_setting_is_restored(
+    tf32_everywhere,
+):
+    seen = []
+
+    def recording(name, fn):
+        def run(*args, **kwargs):
+            seen.append(
+                (
+                    name,
+                    torch.backends.cuda.matmul.fp32_precision,
+                    torch.backends.mkldnn.matmul.fp32_precision,
+                )
+            )
+            return fn(*args, **kwargs)
+
+        return run
+
+    kda_chunked(
+        *_inputs(40, 2, 16, 16),
+        run_chunk_terms=recording("terms", chunk_terms),
+        run_state_pass=recording("state", state_pass),
+        window_tokens=16,
+    )
+    assert len(seen) == 6
+    assert all(cuda == cpu == "ieee" for _, cuda, cpu in seen)
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.mkldnn.matmul.fp32_precision == "tf32"
+
+
+@pytest.mark.parametrize("heads", [96, 12, 1])  # K3 at TP 1 and 8, and one head
+def test_the_default_window_bounds_the_terms_memory(heads):
+    window = window_tokens_for(heads, 128, 128, chunk=16)
+    assert window % 16 == 0 and window >= 16
+    assert window * heads * 128 * 4 * 16 <= max(WINDOW_BYTES, 16 * heads * 128 * 64)
+
+
+def test_a_prompt_longer_than_the_window_is_fed_a_window_at_a_time():
+    inputs = _inputs(100, 2, 16, 16)
+    sizes = []
+
+    def terms(q, *rest):
+        sizes.append(q.shape[0])
+        return chunk_terms(q, *rest)
+
+    kda_chunked(*inputs, run_chunk_terms=terms, window_tokens=40)
+    assert sizes == [32, 32, 32, 4]

@@ -87,3 +87,20 @@ def test_shape_mismatch_names_the_tensor(checkpoint):
         WeightShapeError, match=r"model\.norm\.weight: checkpoint shape"
     ):
         model.load_weights(bad.items())
+
+
+@pytest.mark.parametrize("bound", [None, 0.0, 2.0, "-5", True])
+def test_a_kda_gate_without_a_negative_lower_bound_is_refused_at_build(
+    checkpoint, bound
+):
+    """vLLM reads a missing bound as an unbounded softplus gate, which these models
+    do not run (their chunk length is set by the bound): a clear error, not a
+    default."""
+    config = json.loads((checkpoint / "config.json").read_text())["text_config"]
+    kda = config["linear_attn_config"]
+    if bound is None:
+        del kda["gate_lower_bound"]
+    else:
+        kda["gate_lower_bound"] = bound
+    with pytest.raises(ValueError, match="gate_lower_bound must be a negative number"):
+        K3TextModel(config)

@@ -53,7 +53,7 @@ if triton is not None:
         KEY_DIM: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        head = tl.program_id(0)
+        head = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         col_mask = cols < value_dim
         t = tl.arange(0, CHUNK)
@@ -65,7 +65,7 @@ if triton is not None:
             other=0.0,
         )
         for chunk in range(num_chunks):
-            row = chunk * heads + head  # the [N, H] index
+            row = (chunk * heads + head).to(tl.int64)  # the [N, H] index
             kv_tile = row * CHUNK * value_dim + t[:, None] * value_dim + cols[None, :]
             kk_tile = row * CHUNK * KEY_DIM + t[:, None] * KEY_DIM + c[None, :]
             pv = tl.load(pv_ptr + kv_tile, mask=col_mask[None, :], other=0.0)
@@ -107,12 +107,14 @@ def _unsupported(terms: ChunkTerms, state: torch.Tensor) -> str | None:
 def kda_state_pass(
     terms: ChunkTerms, state: torch.Tensor, *, block_v: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``state_pass``'s contract: ``(out [N, H, C, V], final state [H, K, V])``; the
-    kernel updates ``state`` in place and returns it."""
+    """``state_pass``'s contract: ``(out [N, H, C, V], final state [H, K, V])``;
+    ``state`` is updated in place and returned (on the fallback too)."""
     reason = _unsupported(terms, state)
     log_path("KDA prefill state pass", reason)
     if reason is not None:
-        return kda_state_pass_reference(terms, state)
+        out, final = kda_state_pass_reference(terms, state)
+        state.copy_(final)
+        return out, state
     num_chunks, heads, chunk, key_dim = terms.state_weights.shape
     value_dim = terms.pseudo_values.shape[-1]
     out = torch.empty_like(terms.pseudo_values)

@@ -18,6 +18,18 @@ class WeightShapeError(ValueError):
     """A checkpoint tensor whose shape is not the one the config implies."""
 
 
+def gate_lower_bound(kda: dict[str, Any], where: str) -> float:
+    """The KDA gate's lower bound from ``linear_attn_config``: a negative number.
+    Without one the gate is an unbounded softplus, which these models do not run."""
+    bound = kda.get("gate_lower_bound")
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound < 0:
+        raise ValueError(
+            f"{where}: linear_attn_config.gate_lower_bound must be a negative number "
+            f"(Kimi-K3 uses -5.0), got {bound!r}"
+        )
+    return float(bound)
+
+
 def is_kda_layer(text: dict[str, Any], layer: int) -> bool:
     return layer + 1 in text["linear_attn_config"]["kda_layers"]
 

@@ -17,12 +17,17 @@ chunk's are computed at once; only the state pass runs chunk after chunk.
 
 ``e^{G_t − G_i}`` is formed as ``e^{G_t} · e^{−G_i}``. That stays finite in fp32 while
 ``|G| ≤ 80`` across a chunk, so the chunk length is bounded by the gate's lower bound:
-``C · |lower_bound| ≤ 80`` (K3's −5 gives 16).
+``C · |lower_bound| ≤ 80`` (K3's −5 gives 16). A ``g`` below the bound breaks that;
+``kda_chunked`` reads it as the bound (the gate ``lb · sigmoid(·)`` never goes below).
+
+The terms feed a state carried across the whole prompt, so their matmuls run in full
+fp32 whatever precision the process set (vLLM may set TF32 process-wide).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -120,9 +125,35 @@ def state_pass(
 
 
 StatePass = Callable[[ChunkTerms, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+TermsFn = Callable[..., ChunkTerms]
+
+# The terms of one window are held at once: at the peak of ``chunk_terms`` about
+# TERM_TENSORS fp32 tensors of ``window · H · max(K, V)``. WINDOW_BYTES bounds them
+# (vLLM's memory profile does not run this path, so it must stay small next to the
+# memory vLLM leaves free).
+WINDOW_BYTES = 256 * 2**20
+TERM_TENSORS = 16
 
 
-WINDOW_TOKENS = 4096
+def window_tokens_for(heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
+    """Whole chunks whose terms fit ``WINDOW_BYTES`` (at least one chunk)."""
+    per_token = TERM_TENSORS * 4 * heads * max(key_dim, value_dim)
+    return max(chunk, WINDOW_BYTES // per_token // chunk * chunk)
+
+
+@contextmanager
+def full_fp32_matmuls() -> Iterator[None]:
+    """fp32 matmuls in IEEE fp32 (not TF32 / bf16) on CUDA and the CPU, restored on
+    exit."""
+    backends = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    saved = [backend.fp32_precision for backend in backends]
+    for backend in backends:
+        backend.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        for backend, precision in zip(backends, saved):
+            backend.fp32_precision = precision
 
 
 def kda_chunked(
@@ -134,31 +165,46 @@ def kda_chunked(
     state: torch.Tensor | None = None,
     *,
     lower_bound: float = -5.0,
+    run_chunk_terms: TermsFn = chunk_terms,
     run_state_pass: StatePass = state_pass,
-    window_tokens: int = WINDOW_TOKENS,
+    window_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kda_recurrence``'s contract (``q, k`` ``[T, H, K]`` normalized, ``v``
     ``[T, H, V]``, ``g`` ``[T, H, K]`` log decay in ``[lower_bound, 0]``, ``beta``
-    ``[T, H]``, ``state`` ``[H, K, V]``), computed per chunk. ``run_state_pass``:
-    ``state_pass`` or a kernel with its contract. The terms of at most
-    ``window_tokens`` (rounded down to whole chunks) are held at once, about ten
-    fp32 tensors of ``window · H · K``, so a long prompt's memory stays bounded.
-    Returns ``(o [T, H, V], final state)``."""
+    ``[T, H]``, ``state`` ``[H, K, V]``), computed per chunk. ``run_chunk_terms`` and
+    ``run_state_pass``: ``chunk_terms`` and ``state_pass``, or kernels with their
+    contracts. The terms of at most ``window_tokens`` (rounded down to whole chunks;
+    default ``window_tokens_for``) are held at once, so a long prompt's memory stays
+    bounded. Returns ``(o [T, H, V], final state)``."""
     tokens, heads, key_dim = k.shape
     value_dim = v.shape[-1]
     s = starting_state(state, heads, key_dim, value_dim, q.device)
     out = torch.empty(tokens, heads, value_dim, dtype=torch.float32, device=q.device)
     chunk = chunk_size_for(lower_bound)
+    if window_tokens is None:
+        window_tokens = window_tokens_for(heads, key_dim, value_dim, chunk)
     window = max(chunk, window_tokens // chunk * chunk)
-    for begin in range(0, tokens, window):
-        end = min(begin + window, tokens)
-        part = (x[begin:end] for x in (q, k, v, g, beta))
-        terms = chunk_terms(*part, chunk)
-        chunk_out, s = run_state_pass(terms, s)
-        out[begin:end] = chunk_out.transpose(1, 2).reshape(-1, heads, value_dim)[
-            : end - begin
-        ]
+    with full_fp32_matmuls():
+        for begin in range(0, tokens, window):
+            end = min(begin + window, tokens)
+            q_w, k_w, v_w, g_w, beta_w = (x[begin:end] for x in (q, k, v, g, beta))
+            terms = run_chunk_terms(
+                q_w, k_w, v_w, g_w.clamp(min=lower_bound), beta_w, chunk
+            )
+            chunk_out, s = run_state_pass(terms, s)
+            del terms
+            out[begin:end] = chunk_out.transpose(1, 2).reshape(-1, heads, value_dim)[
+                : end - begin
+            ]
     return out, s
 
 
-__all__ = ["ChunkTerms", "chunk_size_for", "chunk_terms", "kda_chunked", "state_pass"]
+__all__ = [
+    "ChunkTerms",
+    "chunk_size_for",
+    "chunk_terms",
+    "full_fp32_matmuls",
+    "kda_chunked",
+    "state_pass",
+    "window_tokens_for",
+]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.checkpoint_format import WeightShapeError
+from vllm_k3_plugin.model.checkpoint_format import WeightShapeError, gate_lower_bound
 
 
 @dataclass
@@ -73,7 +73,7 @@ class KdaAttention(nn.Module):
         hidden = config["hidden_size"]
         self.layer = layer
         self.heads, self.head_dim = kda["num_heads"], kda["head_dim"]
-        self.lower_bound = kda["gate_lower_bound"]
+        self.lower_bound = gate_lower_bound(kda, f"layer {layer}")
         width = self.heads * self.head_dim
         conv = kda["short_conv_kernel_size"]
         for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
