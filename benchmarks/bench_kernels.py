@@ -8,9 +8,10 @@ of the chip's roofline (MI355X: 8 TB/s, ~5 PFLOP/s dense FP8; H200: 4.8 TB/s, ~1
 PFLOP/s dense FP8), and the ratio against vLLM's Triton kernel for the same job
 (``decode_attention_fwd`` for MLA decode, ``fused_experts`` for the MoE), when that
 kernel runs here; a baseline that fails is reported, not hidden. The KDA prefill
-(chunked terms plus the Triton state pass) is set against vLLM's ``chunk_kda``. Some
-rows are inputs to decisions rather than kernels of ours being judged: the KDA decode
-step against its PyTorch reference, the chunked PyTorch prefill against the per-token
+(the chunk-terms and state-pass kernels) is set against vLLM's ``chunk_kda``, and the
+chunk-terms kernel alone against the batched PyTorch terms it replaces. Some rows are
+inputs to decisions rather than kernels of ours being judged: the KDA decode step
+against its PyTorch reference, the chunked PyTorch prefill against the per-token
 definition, and the attention-residual mix as PyTorch runs it today (how far it sits
 below the HBM roofline is what a fused mix kernel could win).
 
@@ -194,15 +195,19 @@ def _vllm_chunk_kda(q, k, v, g, beta, state, warmup, repeats, cuda):
 
 
 def bench_kda_prefill(device, smoke, warmup, repeats):
-    """The chunked KDA prefill of one prompt: our terms (PyTorch, batched) plus the
-    Triton state pass, against vLLM's ``chunk_kda``; and the same chunked form with
-    the PyTorch state pass against the per-token definition (what the chunking
-    alone wins)."""
+    """The chunked KDA prefill of one prompt: our two kernels (chunk terms, state
+    pass) against vLLM's ``chunk_kda``; the chunk-terms kernel against the batched
+    PyTorch terms; and the chunked form in PyTorch against the per-token definition
+    (what the chunking alone wins)."""
     import torch
 
     from k3_triton_kernels.kda_chunk_state import kda_state_pass
+    from k3_triton_kernels.kda_chunk_terms import (
+        kda_chunk_terms,
+        kda_chunk_terms_reference,
+    )
     from vllm_k3_plugin.model import reference as ref
-    from vllm_k3_plugin.model.kda_chunk import kda_chunked
+    from vllm_k3_plugin.model.kda_chunk import chunk_size_for, kda_chunked
 
     rows = []
     cuda = device.type == "cuda"
@@ -225,19 +230,51 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
         shape = f"T={tokens} H={heads} K=V={dim}"
         ours = timed(
             lambda inputs=inputs, state=state: kda_chunked(
-                *inputs, state, run_state_pass=kda_state_pass
+                *inputs,
+                state,
+                run_chunk_terms=kda_chunk_terms,
+                run_state_pass=kda_state_pass,
             ),
             warmup=warmup,
             repeats=repeats,
             cuda=cuda,
         )
-        row = {"kernel": "kda_prefill[triton state pass]", "shape": shape}
+        row = {"kernel": "kda_prefill[triton]", "shape": shape}
         row.update(s=ours, bytes=moved, flops=flops)
         row["vllm_s"], row["vllm_note"] = _vllm_chunk_kda(
             *inputs, state, warmup, repeats, cuda
         )
         row["baseline"] = "vLLM chunk_kda"
         rows.append(row)
+        chunk = chunk_size_for(-5.0)
+        # fp32 in: q, k, g, v, beta; out: four [T, H, K] terms, the [C, C] readout
+        # per chunk (C per token) and the decay (K per chunk)
+        terms_bytes = tokens * heads * 4 * (8 * dim + 1 + chunk + dim // chunk)
+        rows.append(
+            {
+                "kernel": "kda_chunk_terms",
+                "shape": shape,
+                "s": timed(
+                    lambda inputs=inputs, chunk=chunk: kda_chunk_terms(*inputs, chunk),
+                    warmup=warmup,
+                    repeats=repeats,
+                    cuda=cuda,
+                ),
+                "bytes": terms_bytes,
+                # (e^G k)(e^-G k)^T, the readout, and the two products with the inverse
+                "flops": tokens * heads * 4 * 2 * chunk * dim,
+                "vllm_s": timed(
+                    lambda inputs=inputs, chunk=chunk: kda_chunk_terms_reference(
+                        *inputs, chunk
+                    ),
+                    warmup=min(warmup, 1),
+                    repeats=max(1, repeats // 10),
+                    cuda=cuda,
+                ),
+                "vllm_note": None,
+                "baseline": "batched PyTorch chunk_terms",
+            }
+        )
         chunked = timed(
             lambda inputs=inputs, state=state: kda_chunked(*inputs, state),
             warmup=min(warmup, 1),

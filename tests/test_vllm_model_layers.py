@@ -277,17 +277,20 @@ def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
     model, kernel_model, vllm_config, monkeypatch
 ):
     """Two sequences prefilled, then three decode steps batched: the kernel path
-    (decode tokens through ``kda_decode``) against the PyTorch path, outputs and
-    both cache states (1e-5, fp32 summation order)."""
+    (prefill chunks through ``kda_chunk_terms`` and ``kda_state_pass``, decode
+    tokens through ``kda_decode``) against the PyTorch path, outputs and both cache
+    states (1e-5, fp32 summation order)."""
     generator = torch.Generator().manual_seed(2)
     prompts = torch.randn(8, 64, generator=generator)
     steps = [torch.randn(2, 64, generator=generator) for _ in range(3)]
-    from k3_triton_kernels import kda_decode
+    from k3_triton_kernels import kda_chunk_state, kda_chunk_terms, kda_decode
 
     def not_the_kernel(*args, **kwargs):
         raise AssertionError("the kernel path fell back to its reference")
 
     monkeypatch.setattr(kda_decode, "kda_decode_reference", not_the_kernel)
+    monkeypatch.setattr(kda_chunk_terms, "kda_chunk_terms_reference", not_the_kernel)
+    monkeypatch.setattr(kda_chunk_state, "kda_state_pass_reference", not_the_kernel)
     results = []
     for built in (model, kernel_model):
         layer = built.language_model.model.layers[1].self_attn

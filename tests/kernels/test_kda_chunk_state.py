@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from k3_triton_kernels.kda_chunk_state import kda_state_pass, kda_state_pass_reference
+from tests.kernels.placement import on_device
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.kda_chunk import chunk_terms, kda_chunked
 
@@ -24,7 +25,8 @@ def _inputs(tokens, heads, key_dim, value_dim, seed=0):
     g = ref.kda_gate(u, torch.zeros(heads))
     beta = torch.rand(tokens, heads, generator=generator)
     state = torch.randn(heads, key_dim, value_dim, generator=generator)
-    return (q / key_dim**0.5, k, v, g, beta), state
+    q, k, v, g, beta, state = on_device(q / key_dim**0.5, k, v, g, beta, state)
+    return (q, k, v, g, beta), state
 
 
 def _close(got, expected, fraction=1e-5):
@@ -64,6 +66,7 @@ def test_kernel_updates_the_state_in_place():
     assert not torch.equal(given, state)
 
 
+@pytest.mark.falls_back
 @pytest.mark.parametrize(
     ("key_dim", "chunk", "why"),
     [
@@ -76,8 +79,11 @@ def test_shapes_the_kernel_does_not_tile_run_the_reference_and_say_why(
 ):
     inputs, state = _inputs(10, 2, key_dim, 16)
     terms = chunk_terms(*inputs, chunk=chunk)
+    given = state.clone()
     with caplog.at_level("INFO", logger="vllm.k3_plugin.kernels"):
-        got_out, got_state = kda_state_pass(terms, state.clone())
+        got_out, got_state = kda_state_pass(terms, given)
     expected_out, expected_state = kda_state_pass_reference(terms, state.clone())
     assert torch.equal(got_out, expected_out) and torch.equal(got_state, expected_state)
+    # The fallback updates the given state in place, as the kernel does.
+    assert got_state.data_ptr() == given.data_ptr()
     assert f"KDA prefill state pass: PyTorch path ({why}" in caplog.text

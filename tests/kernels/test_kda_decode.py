@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from k3_triton_kernels import kda_decode as kernel
+from tests.kernels.placement import DEVICE
 
 
 def _case(
@@ -24,7 +25,7 @@ def _case(
 
     channels = heads * dim
     slots = torch.randperm(slots_total, generator=generator)[:tokens]
-    return dict(
+    case = dict(
         qkv=randn(tokens, 3 * channels),
         conv_weight=randn(3 * channels, conv) / 2,
         conv_state=randn(slots_total, 3 * channels, conv - 1).to(conv_dtype),
@@ -35,6 +36,7 @@ def _case(
         recurrent_state=randn(slots_total, heads, dim, dim) / dim**0.5,
         slots=slots,
     )
+    return {name: t.to(DEVICE) for name, t in case.items()}
 
 
 def _run(fn, case):
@@ -86,7 +88,7 @@ def test_a_transposed_conv_state_and_several_steps():
     for step in range(3):
         step_input = torch.randn(
             case["qkv"].shape, generator=torch.Generator().manual_seed(step)
-        )
+        ).to(DEVICE)
         kernel_case["qkv"] = ref_case["qkv"] = step_input
         got = kernel.kda_decode(**kernel_case)
         want = kernel.kda_decode_reference(**ref_case)
@@ -100,6 +102,7 @@ def test_a_transposed_conv_state_and_several_steps():
     )
 
 
+@pytest.mark.falls_back
 def test_a_head_dim_the_kernel_cannot_tile_falls_back_and_says_why(caplog):
     case = _case(2, 2, 24)
     with caplog.at_level("INFO", logger="vllm.k3_plugin.kernels"):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from k3_triton_kernels import latent_moe as moe
+from tests.kernels.placement import on_device
 from vllm_k3_plugin.model.reference import route, situ_glu
 
 
@@ -22,7 +23,7 @@ def _case(tokens, experts, top_k, latent=64, inner=32, seed=0):
     w13 = torch.randn(experts, 2 * inner, latent) / latent**0.5
     w2 = torch.randn(experts, latent, inner) / inner**0.5
     weights, ids = route(torch.randn(tokens, experts), torch.zeros(experts), top_k)
-    return z, ids, weights, w13, w2
+    return on_device(z, ids, weights, w13, w2)
 
 
 def _close(got, expected, fraction):
@@ -162,4 +163,5 @@ def test_gpu_benchmark_script_runs_its_smoke_shapes():
     assert run.stdout.count("| latent_moe[") == 3
     assert run.stdout.count("| kda_decode |") == 1
     assert run.stdout.count("| kda_prefill[") == 2
+    assert run.stdout.count("| kda_chunk_terms |") == 1
     assert run.stdout.count("| attn_res_mix (PyTorch) |") == 1

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from k3_triton_kernels import mla_decode as kernel
+from tests.kernels.placement import DEVICE, on_device
 
 SCALE = 1 / math.sqrt(192)
 FP8 = [d for d in kernel.FP8_DTYPES]
@@ -32,7 +33,7 @@ def _setup(
         slots = table[b, t // page_size].long() * page_size + t % page_size
         kernel.write_latent(cache, slots, torch.randn(length, dv + dpe), kv_scale)
     q = torch.randn(batch, rows, heads, dv + dpe)
-    return q, cache, table, torch.tensor(lens, dtype=torch.int32)
+    return on_device(q, cache, table, torch.tensor(lens, dtype=torch.int32))
 
 
 def _compare(q, cache, table, lens, *, dv=512, kv_scale=1.0, **launch):
@@ -92,7 +93,7 @@ def test_eight_speculative_rows_see_their_own_prefix():
     out, _ = kernel.mla_decode(q, cache, table, lens)
     # Row r of the 9-token request sees 9 - (7 - r) tokens: row 0 sees 2.
     alone, _ = kernel.mla_decode(
-        q[1:, :1], cache, table[1:], torch.tensor([2], dtype=torch.int32)
+        q[1:, :1], cache, table[1:], torch.tensor([2], dtype=torch.int32, device=DEVICE)
     )
     assert torch.allclose(out[1, 0], alone[0, 0], atol=1e-5)
 
@@ -113,13 +114,15 @@ def test_fp8_cache_stays_close_to_the_unquantized_one():
 
 
 def test_write_latent_applies_the_scale():
-    cache = torch.zeros(2, 4, 32, dtype=FP8[0])
-    latent = torch.randn(3, 32)
-    kernel.write_latent(cache, torch.tensor([0, 5, 7]), latent, kv_scale=2.0)
+    cache = torch.zeros(2, 4, 32, dtype=FP8[0], device=DEVICE)
+    latent = torch.randn(3, 32, device=DEVICE)
+    slots = torch.tensor([0, 5, 7], device=DEVICE)
+    kernel.write_latent(cache, slots, latent, kv_scale=2.0)
     stored = cache.view(-1, 32)[[0, 5, 7]].float() * 2.0
     assert torch.allclose(stored, latent, rtol=2**-4, atol=2.0 * 2**-9)
 
 
+@pytest.mark.falls_back
 def test_unsupported_shapes_fall_back_to_pytorch_and_say_why(caplog):
     q, cache, table, lens = _setup(
         [10], heads=4, rows=1, page_size=4, dtype=torch.float32, dv=48, dpe=16

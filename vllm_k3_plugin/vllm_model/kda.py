@@ -8,9 +8,10 @@ whether that state is already initialized (a continued prefill or a decode) or n
 new request). This layer reads and writes those slots. Prefill chunks run in PyTorch,
 one sequence at a time: the reference conv and gate, and the delta rule in its
 chunked form (``vllm_k3_plugin.model.kda_chunk``). With ``VLLM_K3_KERNELS=triton`` the
-chunks' state pass runs ``k3_triton_kernels.kda_chunk_state`` and the batch's decode
-tokens (one new token of an initialized sequence) run ``k3_triton_kernels.kda_decode``
-in one launch; else both stay in PyTorch.
+chunk terms run ``k3_triton_kernels.kda_chunk_terms``, the chunks' state pass
+``k3_triton_kernels.kda_chunk_state``, and the batch's decode tokens (one new token of
+an initialized sequence) ``k3_triton_kernels.kda_decode`` in one launch; else all
+three stay in PyTorch.
 
 Heads shard over tensor parallelism; every rank keeps the state of its own heads.
 """
@@ -42,10 +43,12 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from k3_triton_kernels.kda_chunk_state import kda_state_pass
+from k3_triton_kernels.kda_chunk_terms import kda_chunk_terms
 from k3_triton_kernels.kda_decode import kda_decode
 from k3_triton_kernels.runtime import log_path
 from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.kda_chunk import kda_chunked, state_pass
+from vllm_k3_plugin.model.checkpoint_format import gate_lower_bound
+from vllm_k3_plugin.model.kda_chunk import chunk_terms, kda_chunked, state_pass
 from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 
 
@@ -95,12 +98,14 @@ class KdaAttention(nn.Module, MambaBase):
                 f"tensor parallel size {self.tp_size}"
             )
         self.local_heads = self.num_heads // self.tp_size
-        self.lower_bound = kda.get("gate_lower_bound", -5.0)
+        self.lower_bound = gate_lower_bound(kda, prefix)
         self.kernel = kda["short_conv_kernel_size"]
         self.use_kernels = use_triton_kernels()
         if not self.use_kernels:
+            log_path("KDA prefill chunk terms", "VLLM_K3_KERNELS=pytorch")
             log_path("KDA prefill state pass", "VLLM_K3_KERNELS=pytorch")
             log_path("KDA decode", "VLLM_K3_KERNELS=pytorch")
+        self.run_chunk_terms = kda_chunk_terms if self.use_kernels else chunk_terms
         self.run_state_pass = kda_state_pass if self.use_kernels else state_pass
         width = self.num_heads * self.head_dim
         self.local_width = width // self.tp_size
@@ -229,9 +234,10 @@ class KdaAttention(nn.Module, MambaBase):
             mixed, conv_out = ref.causal_conv_silu(
                 qkv[begin:end].float(), conv_weight.float(), conv_in
             )
+            # Token-major, so each token's head rows are contiguous for the kernels.
             q, k, v = (
                 part.reshape(end - begin, *shaped)
-                for part in mixed.split(self.local_width, dim=-1)
+                for part in mixed.contiguous().split(self.local_width, dim=-1)
             )
             u = decay[begin:end].float() + self.dt_bias.float()
             g = ref.kda_gate(
@@ -245,6 +251,7 @@ class KdaAttention(nn.Module, MambaBase):
                 beta[begin:end],
                 state_in,
                 lower_bound=self.lower_bound,
+                run_chunk_terms=self.run_chunk_terms,
                 run_state_pass=self.run_state_pass,
             )
             out[begin:end] = o

@@ -1,0 +1,119 @@
+"""The chunked KDA prefill's chunk terms: the Triton kernel against the batched PyTorch
+terms, and the whole prefill on both kernels against the per-token definition.
+
+Tolerance: 1e-5 of each term's largest magnitude (measured: under 3e-7). Both compute
+in fp32 from the same inputs (the kernel's dots in ``ieee`` fp32); they differ in
+summation order and in the triangular solve (forward substitution on a ``C × C``
+tile here, a library solve there). ``|A| ≤ 1`` below the diagonal (normalized keys,
+``G`` non-increasing), so the solve does not amplify rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3_triton_kernels.kda_chunk_state import kda_state_pass
+from k3_triton_kernels.kda_chunk_terms import (
+    kda_chunk_terms,
+    kda_chunk_terms_reference,
+)
+from tests.kernels.placement import on_device
+from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.model.kda_chunk import chunk_size_for, kda_chunked
+
+
+def _inputs(tokens, heads, key_dim, value_dim, *, lower_bound=-5.0, saturate=False):
+    generator = torch.Generator().manual_seed(tokens + 7 * heads + key_dim)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    q = ref.l2_normalize(randn(tokens, heads, key_dim)) / key_dim**0.5
+    k = ref.l2_normalize(randn(tokens, heads, key_dim))
+    u = randn(tokens, heads, key_dim)
+    if saturate:  # every gate at its lower bound: the largest exponents there are
+        u = u.abs() * 50 + 50
+    g = ref.kda_gate(u, torch.zeros(heads), lower_bound)
+    v = randn(tokens, heads, value_dim)
+    beta = torch.rand(tokens, heads, generator=generator)
+    return on_device(q, k, v, g, beta)
+
+
+def _assert_terms_close(got, expected, fraction=1e-5):
+    for name, a, b in zip(got._fields, got, expected, strict=True):
+        assert a.shape == b.shape, name
+        bound = fraction * b.abs().max().clamp_min(1e-30)
+        assert (a - b).abs().max() <= bound, name
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "key_dim", "value_dim"),
+    [
+        (1, 2, 16, 16),  # one token, one padded chunk
+        (16, 1, 32, 32),  # exactly one chunk
+        (45, 3, 32, 40),  # a partial last chunk; V masked to its 64-wide block
+        (100, 2, 128, 128),  # K3's head dims (K3 has 96 heads before TP)
+    ],
+)
+def test_kernel_matches_the_pytorch_terms(tokens, heads, key_dim, value_dim):
+    inputs = _inputs(tokens, heads, key_dim, value_dim)
+    got = kda_chunk_terms(*inputs, chunk=16)
+    _assert_terms_close(got, kda_chunk_terms_reference(*inputs, chunk=16))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -2.5, -1.0])
+def test_gates_at_their_lower_bound_at_every_chunk_length(lower_bound):
+    """Chunks of 16, 32 and 64 tokens: ``|G|`` reaches 80 at the chunk end."""
+    chunk = chunk_size_for(lower_bound)
+    inputs = _inputs(150, 2, 32, 32, lower_bound=lower_bound, saturate=True)
+    got = kda_chunk_terms(*inputs, chunk=chunk)
+    expected = kda_chunk_terms_reference(*inputs, chunk=chunk)
+    assert all(torch.isfinite(term).all() for term in got)
+    _assert_terms_close(got, expected)
+
+
+def test_bf16_inputs_and_strided_heads():
+    """q, k, v as the model's projections give them: bf16, and heads strided inside
+    a wider row (the last dim contiguous)."""
+    q, k, v, g, beta = _inputs(37, 4, 64, 64)
+    wide = torch.cat([q, k], dim=-1).to(torch.bfloat16)
+    q_view, k_view = wide[..., :64], wide[..., 64:]
+    assert not q_view.is_contiguous() and q_view.stride(-1) == 1
+    inputs = (q_view, k_view, v.to(torch.bfloat16), g, beta)
+    got = kda_chunk_terms(*inputs, chunk=16)
+    _assert_terms_close(got, kda_chunk_terms_reference(*inputs, chunk=16))
+
+
+def test_prefill_on_both_kernels_matches_the_per_token_definition():
+    inputs = _inputs(70, 3, 64, 64)
+    state = on_device(torch.randn(3, 64, 64))[0]
+    got, got_state = kda_chunked(
+        *inputs,
+        state,
+        run_chunk_terms=kda_chunk_terms,
+        run_state_pass=kda_state_pass,
+        window_tokens=32,  # and across windows
+    )
+    expected, expected_state = ref.kda_recurrence(*inputs, state)
+    for a, b in ((got, expected), (got_state, expected_state)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+@pytest.mark.falls_back
+@pytest.mark.parametrize(
+    ("key_dim", "chunk", "why"),
+    [
+        (24, 16, "key head dim 24 is not a power of 2"),
+        (16, 8, "chunk length 8"),
+    ],
+)
+def test_shapes_the_kernel_does_not_tile_run_the_reference_and_say_why(
+    key_dim, chunk, why, caplog
+):
+    inputs = _inputs(10, 2, key_dim, 16)
+    with caplog.at_level("INFO", logger="vllm.k3_plugin.kernels"):
+        got = kda_chunk_terms(*inputs, chunk=chunk)
+    expected = kda_chunk_terms_reference(*inputs, chunk=chunk)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert f"KDA prefill chunk terms: PyTorch path ({why}" in caplog.text
