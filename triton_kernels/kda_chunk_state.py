@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from k3_triton_kernels.runtime import log_path, triton_blocker
+from k3_triton_kernels.runtime import (
+    chunked_kda_tile_blocker,
+    log_path,
+    triton_blocker,
+)
 from vllm_k3_plugin.model.kda_chunk import ChunkTerms, state_pass
 
 kda_state_pass_reference = state_pass
@@ -85,19 +89,12 @@ if triton is not None:
         )
 
 
-def _power_of_two(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
 def _unsupported(terms: ChunkTerms, state: torch.Tensor) -> str | None:
     _, _, chunk, key_dim = terms.state_weights.shape
     value_dim = terms.pseudo_values.shape[-1]
-    if not _power_of_two(chunk):
-        return f"chunk length {chunk} (the gate's lower bound) is not a power of 2 ≥ 16"
-    if not _power_of_two(key_dim):
-        return f"key head dim {key_dim} is not a power of 2 ≥ 16"
-    if value_dim < 16:
-        return f"value head dim {value_dim} is under 16"
+    reason = chunked_kda_tile_blocker(chunk, key_dim, value_dim)
+    if reason is not None:
+        return reason
     tensors = (*terms, state)
     if any(x.dtype != torch.float32 or not x.is_contiguous() for x in tensors):
         return "terms or state not contiguous fp32"

@@ -26,7 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from k3_triton_kernels.runtime import log_path, triton_blocker
+from k3_triton_kernels.runtime import (
+    chunked_kda_tile_blocker,
+    log_path,
+    triton_blocker,
+)
 from vllm_k3_plugin.model.kda_chunk import ChunkTerms, chunk_terms
 
 kda_chunk_terms_reference = chunk_terms
@@ -124,18 +128,10 @@ if triton is not None:
         tl.store(decay_ptr + row * KEY_DIM + c, tl.exp(total))
 
 
-def _power_of_two(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
 def _unsupported(q, k, v, g, beta, chunk: int) -> str | None:
-    key_dim, value_dim = k.shape[-1], v.shape[-1]
-    if not _power_of_two(chunk):
-        return f"chunk length {chunk} (the gate's lower bound) is not a power of 2 ≥ 16"
-    if not _power_of_two(key_dim):
-        return f"key head dim {key_dim} is not a power of 2 ≥ 16"
-    if value_dim < 16:
-        return f"value head dim {value_dim} is under 16"
+    reason = chunked_kda_tile_blocker(chunk, k.shape[-1], v.shape[-1])
+    if reason is not None:
+        return reason
     named = {"q": q, "k": k, "v": v, "g": g}
     for name, x in named.items():
         if not x.is_floating_point() or x.stride(-1) != 1:

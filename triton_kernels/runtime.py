@@ -29,6 +29,22 @@ def triton_blocker(device: torch.device) -> str | None:
     return None
 
 
+def chunked_kda_tile_blocker(chunk: int, key_dim: int, value_dim: int) -> str | None:
+    """Why the chunked KDA prefill kernels cannot tile these dims (``tl.dot`` takes
+    powers of two ≥ 16; value columns are masked), or ``None``."""
+
+    def tiles(n: int) -> bool:
+        return n >= 16 and n & (n - 1) == 0
+
+    if not tiles(chunk):
+        return f"chunk length {chunk} (the gate's lower bound) is not a power of 2 ≥ 16"
+    if not tiles(key_dim):
+        return f"key head dim {key_dim} is not a power of 2 ≥ 16"
+    if value_dim < 16:
+        return f"value head dim {value_dim} is under 16"
+    return None
+
+
 def log_path(kernel: str, fallback_reason: str | None) -> None:
     """``fallback_reason`` ``None``: the Triton kernel runs."""
     line = (
