@@ -13,8 +13,18 @@ Shapes (Kimi-K3: ``H`` = 96 heads before TP, latent ``DV`` = 512, ``DPE`` = 64):
 - returns ``(out [B, Q, H, DV] fp32, lse [B, Q, H] fp32)``; the values are the first
   ``DV`` channels of the cache (the normalized ``c_kv``).
 
-The kernel dequantizes each FP8 value exactly (fp8 -> fp32 is exact), so it differs
-from the reference only by fp32 summation order.
+Dots: with a ``bfloat16`` query over an FP8 or ``bfloat16`` cache (the model's case on
+a GPU), both dots run on bf16 tensor cores with fp32 accumulation: the query and every
+cache value are exact in bf16 (an e4m3 value has 3 mantissa bits), the layer's scale
+is applied to the scores and the output instead of the values, and the softmax
+weights are rounded to bf16 (ties to even) for the value dot while their sum stays
+fp32. The output then differs from the reference by at most ``2^-9 · max|value|``
+(each weight within ``2^-9`` relative; the weights sum to one) plus fp32 summation
+order; the LSE by summation order only. Any other dtype pair runs fp32 dots
+(``ieee``), differing from the reference by summation order only; on a GPU they run
+without tensor cores, several times slower. Under ``TRITON_INTERPRET=1`` (whose bf16
+``tl.dot`` is not usable) the bf16 path rounds the same operands and multiplies them
+as exact fp32 values, which is what the tensor cores compute.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import math
 
 import torch
 
-from k3_triton_kernels.runtime import log_path, triton_blocker
+from k3_triton_kernels.runtime import interpreted, log_path, triton_blocker
 
 FP8_DTYPES = tuple(
     d
@@ -99,6 +109,22 @@ except ImportError:  # pragma: no cover - the CPU path needs no Triton
 if triton is not None:
 
     @triton.jit
+    def _round_to_bf16(x):
+        """``x`` (fp32, finite) rounded to the nearest bf16, ties to even, as fp32. Bit
+        arithmetic, so the interpreter rounds as a GPU does."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dot(a, b, BF16_DOTS: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``a @ b`` into fp32. ``BF16_DOTS``: every operand value is exact in bf16;
+        on a GPU the dot runs on bf16 tensor cores."""
+        if BF16_DOTS and not INTERPRETED:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+    @triton.jit
     def _mla_decode_partial(
         q_ptr,
         cache_ptr,
@@ -127,6 +153,8 @@ if triton is not None:
         DPE: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BF16_DOTS: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         row = tl.program_id(0)  # b * rows + r
         head_block = tl.program_id(1)
@@ -146,12 +174,9 @@ if triton is not None:
         dv = tl.arange(0, DV)
         dpe = tl.arange(0, DPE)
         q_base = q_ptr + b * stride_qb + r * stride_qr + h[:, None] * stride_qh
-        q_nope = tl.load(q_base + dv[None, :], mask=h_mask[:, None], other=0.0).to(
-            tl.float32
-        )
-        q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0).to(
-            tl.float32
-        )
+        q_nope = tl.load(q_base + dv[None, :], mask=h_mask[:, None], other=0.0)
+        q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0)
+        score_scale = softmax_scale * kv_scale
 
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         denom = tl.zeros((BLOCK_H,), tl.float32)
@@ -165,34 +190,29 @@ if triton is not None:
             token_base = (
                 cache_ptr + page.to(tl.int64) * stride_cp + (n % page_size) * stride_cs
             )
-            k_nope = (
-                tl.load(
-                    token_base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0
-                ).to(tl.float32)
-                * kv_scale
+            # Stored values, unscaled: the layer's scale goes on scores and output.
+            k_nope = tl.load(
+                token_base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0
             )
-            k_pe = (
-                tl.load(
-                    token_base[:, None] + DV + dpe[None, :],
-                    mask=n_mask[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                * kv_scale
+            k_pe = tl.load(
+                token_base[:, None] + DV + dpe[None, :], mask=n_mask[:, None], other=0.0
             )
-            scores = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
-            scores += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
-            scores = tl.where(n_mask[None, :], scores * softmax_scale, float("-inf"))
+            scores = _dot(q_nope, tl.trans(k_nope), BF16_DOTS, INTERPRETED)
+            scores += _dot(q_pe, tl.trans(k_pe), BF16_DOTS, INTERPRETED)
+            scores = tl.where(n_mask[None, :], scores * score_scale, float("-inf"))
             new_m = tl.maximum(m, tl.max(scores, axis=1))
             rescale = tl.exp(m - new_m)
             p = tl.exp(scores - new_m[:, None])
             denom = denom * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(p, k_nope, input_precision="ieee")
+            if BF16_DOTS:
+                p = _round_to_bf16(p)
+            acc = acc * rescale[:, None] + _dot(p, k_nope, BF16_DOTS, INTERPRETED)
             m = new_m
 
         has_tokens = end > start
         safe_denom = tl.where(has_tokens, denom, 1.0)
         lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
-        out = acc / safe_denom[:, None]
+        out = acc * (kv_scale / safe_denom[:, None])
         tl.store(
             mid_out_ptr
             + row * stride_mo_row
@@ -271,6 +291,12 @@ def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | 
     if cache.shape[-1] != q.shape[-1]:
         return f"cache width {cache.shape[-1]} != query width {q.shape[-1]}"
     return None
+
+
+def bf16_dots(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the dots run on bf16 operands: every query and cache value is exact
+    in bf16."""
+    return q.dtype == torch.bfloat16 and cache.dtype in (*FP8_DTYPES, torch.bfloat16)
 
 
 def mla_decode(
@@ -352,6 +378,8 @@ def mla_decode(
             DPE=rope,
             BLOCK_H=block_h,
             BLOCK_N=block_n,
+            BF16_DOTS=bf16_dots(q, cache),
+            INTERPRETED=interpreted(),
         )
         _mla_decode_merge[(batch * rows, heads)](
             mid_out,

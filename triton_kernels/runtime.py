@@ -13,11 +13,14 @@ logger = logging.getLogger("vllm.k3_plugin.kernels")
 _said: set[tuple[str, str]] = set()
 
 
+def interpreted() -> bool:
+    """Triton kernels run on its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_usable(device: torch.device) -> bool:
     """Triton runs on a GPU, or anywhere under ``TRITON_INTERPRET=1``."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return device.type == "cuda"
+    return interpreted() or device.type == "cuda"
 
 
 def triton_blocker(device: torch.device) -> str | None:

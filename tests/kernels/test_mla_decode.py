@@ -136,3 +136,63 @@ def test_unsupported_shapes_fall_back_to_pytorch_and_say_why(caplog):
     assert "latent dim 48" in caplog.text
     bad = torch.zeros(2, 4, 576, dtype=torch.int8)
     assert "cache dtype" in kernel._unsupported(torch.zeros(1, 1, 1, 576), bad, 512)
+
+
+# -- the bf16 tensor-core path --------------------------------------------------------
+#
+# A bf16 query over an FP8 or bf16 cache runs both dots on bf16 operands: the query
+# and the cache values are exact, the softmax weights are rounded to bf16 (2^-9
+# relative) for the value dot. Tolerance: 2^-9 of the largest value magnitude for the
+# output (the weights sum to one), plus the fp32 bound above; 1e-4 for the LSE (its
+# sum of weights stays fp32).
+
+
+@pytest.mark.parametrize("dtype", [*FP8, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("lens", "heads", "rows"),
+    [([17, 64, 33], 12, 1), ([100], 96, 1), ([20, 9], 12, 8)],
+)
+def test_bf16_queries_run_bf16_dots_within_the_weight_rounding(
+    dtype, lens, heads, rows
+):
+    q, cache, table, seq_lens = _setup(
+        lens, heads=heads, rows=rows, page_size=16, dtype=dtype, kv_scale=0.25
+    )
+    q = q.to(torch.bfloat16)
+    assert kernel.bf16_dots(q, cache) and kernel._unsupported(q, cache, 512) is None
+    out, lse = kernel.mla_decode(q, cache, table, seq_lens, kv_scale=0.25)
+    ref_out, ref_lse = kernel.mla_decode_reference(
+        q, cache, table, seq_lens, value_dim=512, softmax_scale=SCALE, kv_scale=0.25
+    )
+    largest_value = cache[..., :512].float().abs().max() * 0.25
+    assert (out - ref_out).abs().max() <= 2**-9 * largest_value + 1e-4
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    # The weights really are rounded: the fp32 path on the same values differs.
+    fp32_out, _ = kernel.mla_decode(q.float(), cache, table, seq_lens, kv_scale=0.25)
+    assert not kernel.bf16_dots(q.float(), cache)
+    assert not torch.equal(out, fp32_out)
+
+
+def test_fp16_and_fp32_caches_keep_fp32_dots():
+    q = torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16)
+    for dtype in (torch.float16, torch.float32):
+        assert not kernel.bf16_dots(q, torch.zeros(1, 1, 576, dtype=dtype))
+
+
+def test_weights_round_to_bf16_ties_to_even():
+    """The kernel's bf16 rounding against torch's, on random values and exact
+    ties (the low 16 bits 0x8000, with even and odd bf16 mantissas)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def round_all(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, kernel._round_to_bf16(tl.load(x_ptr + i)))
+
+    values = torch.rand(1024) * torch.logspace(-30, 3, 1024)
+    ties = (torch.randint(0x3000, 0x4000, (1024,), dtype=torch.int32) << 16) | 0x8000
+    x = torch.cat([values, ties.view(torch.float32)]).to(DEVICE)
+    out = torch.empty_like(x)
+    round_all[(1,)](x, out, BLOCK=x.numel())
+    assert torch.equal(out, x.to(torch.bfloat16).float())
