@@ -134,27 +134,34 @@ def latent_moe_reference(
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
-    """``(pair index per padded row or -1, expert per block)``: the (token, slot)
-    pairs grouped by expert, each group padded to a multiple of ``block_m``.
+    """``(rows, block_expert, used_rows)``: the (token, slot) pairs grouped by expert,
+    each group padded to a multiple of ``block_m``. ``rows`` holds each padded row's
+    pair index or -1, ``block_expert`` each block's expert.
 
-    Tensor ops only (no loop over experts); the padded length is read back once to
-    size the output."""
+    Tensor ops only, nothing read back from the device (no sync; a CUDA graph can
+    hold it): ``rows`` has a capacity fixed by the shapes (each used expert's group
+    pads by at most ``block_m - 1`` rows), ``used_rows`` (one element, on the
+    device) says how much of it is used; the blocks past it hold no pair and the
+    kernels skip them."""
     flat = ids.reshape(-1)
+    pairs = flat.numel()
+    capacity = -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
+    capacity *= block_m
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
     padded = ((counts + block_m - 1) // block_m) * block_m
-    starts = torch.cumsum(padded, 0) - padded
+    ends = torch.cumsum(padded, 0)
     sorted_starts = torch.cumsum(counts, 0) - counts
     experts_in_order = flat[order]
     rank_in_expert = (
-        torch.arange(flat.numel(), device=ids.device) - sorted_starts[experts_in_order]
+        torch.arange(pairs, device=ids.device) - sorted_starts[experts_in_order]
     )
-    rows = torch.full((int(padded.sum()),), -1, dtype=torch.int64, device=ids.device)
-    rows[starts[experts_in_order] + rank_in_expert] = order
-    block_expert = torch.repeat_interleave(
-        torch.arange(num_experts, device=ids.device), padded // block_m
-    )
-    return rows, block_expert
+    rows = torch.full((capacity,), -1, dtype=torch.int64, device=ids.device)
+    rows[(ends - padded)[experts_in_order] + rank_in_expert] = order
+    block_first_rows = torch.arange(0, capacity, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, block_first_rows, right=True)
+    return rows, block_expert.clamp_(max=num_experts - 1), ends[-1:]
 
 
 # -- Triton kernels -------------------------------------------------------------------
@@ -245,6 +252,7 @@ if triton is not None:
         a_scale_ptr,
         rows_ptr,
         block_expert_ptr,
+        used_rows_ptr,
         w_ptr,
         s_ptr,
         h_ptr,
@@ -264,6 +272,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
+        if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
+            return  # past the used rows: no pair here
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m, _pair, valid, token, expert = _block_rows(
             rows_ptr, block_expert_ptr, top_k, BLOCK_M
@@ -311,6 +321,7 @@ if triton is not None:
         h_scale_ptr,
         rows_ptr,
         block_expert_ptr,
+        used_rows_ptr,
         w_ptr,
         s_ptr,
         routing_ptr,
@@ -329,6 +340,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
+        if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
+            return  # past the used rows: no pair here
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m, pair, valid, token, expert = _block_rows(
             rows_ptr, block_expert_ptr, top_k, BLOCK_M
@@ -396,7 +409,7 @@ def latent_moe(
     inner = experts.w13.shape[1] // 2
     fmt = FORMATS[experts.fmt]
     z_q, z_scale = quantize_per_row(z, dtype)
-    rows, block_expert = sort_by_expert(ids, num_experts, block_m)
+    rows, block_expert, used_rows = sort_by_expert(ids, num_experts, block_m)
     out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
     if rows.numel() == 0:
         return out
@@ -404,7 +417,7 @@ def latent_moe(
     w13, s13 = experts.w13, experts.w13_scale
     grid = (rows.numel() // block_m, triton.cdiv(inner, block_n))
     _gate_up_situ[grid](
-        z_q, z_scale, rows, block_expert, w13, s13, h, top_k, latent, inner,
+        z_q, z_scale, rows, block_expert, used_rows, w13, s13, h, top_k, latent, inner,
         z_q.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         h.stride(0), beta, linear_beta,
         FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -415,7 +428,8 @@ def latent_moe(
     routing = weights.reshape(-1).float().contiguous()
     grid = (rows.numel() // block_m, triton.cdiv(latent, block_n))
     _down_combine[grid](
-        h_q, h_scale, rows, block_expert, w2, s2, routing, out, top_k, latent, inner,
+        h_q, h_scale, rows, block_expert, used_rows, w2, s2, routing, out, top_k,
+        latent, inner,
         h_q.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0),
         FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

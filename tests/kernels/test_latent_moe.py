@@ -1,8 +1,13 @@
 """Latent fused MoE: the Triton kernels against the PyTorch reference, FP8 and MXFP4.
 
-Tolerance (kernel vs reference): 1e-4 of the output's largest magnitude. Both read the
-same FP8 activations and the same FP8 / MXFP4 weights, converted exactly to fp32; they
-differ in fp32 summation order and in SiTU's tanh (computed through sigmoid).
+Tolerance (kernel vs reference): 1e-4 of the output's largest magnitude, on all but
+a quarter of the tokens; those within 2^-4. Both read the same FP8 activations and the
+same FP8 / MXFP4 weights, converted exactly to fp32; they differ in fp32 summation
+order and in SiTU's tanh (computed through sigmoid). The intermediate is requantized
+to FP8 per token, so a token whose intermediate (or its row scale) sits on an e4m3
+rounding boundary can round one step apart on the two sides, and its whole output row
+moves by a fraction of an e4m3 step (measured: 2e-3 of the largest magnitude, on one
+or two of 9 tokens in 2 of 27 seeded cases; the other tokens within 1e-6).
 Against unquantized fp32 math the error is bounded by e4m3 rounding (3 mantissa bits,
 2^-4 relative per value) of activations, weights and the intermediate: under 10%.
 """
@@ -13,6 +18,7 @@ import pytest
 import torch
 
 from k3_triton_kernels import latent_moe as moe
+from tests.host_reads import HostRead, no_host_reads
 from tests.kernels.placement import on_device
 from vllm_k3_plugin.model.reference import route, situ_glu
 
@@ -24,6 +30,14 @@ def _case(tokens, experts, top_k, latent=64, inner=32, seed=0):
     w2 = torch.randn(experts, latent, inner) / inner**0.5
     weights, ids = route(torch.randn(tokens, experts), torch.zeros(experts), top_k)
     return on_device(z, ids, weights, w13, w2)
+
+
+def _agrees(got, expected):
+    """The kernel against its reference: see the module's tolerance."""
+    scale = expected.abs().max().clamp_min(1e-6)
+    row_error = ((got - expected).abs().amax(dim=-1) / scale).tolist()
+    flipped = [error for error in row_error if error > 1e-4]
+    return 4 * len(flipped) <= len(row_error) and max(row_error) <= 2**-4
 
 
 def _close(got, expected, fraction):
@@ -48,7 +62,7 @@ def test_kernel_matches_reference(fmt, tokens, experts, top_k):
     packed = BUILDERS[fmt](w13, w2)
     got = moe.latent_moe(z, ids, weights, packed)
     expected = moe.latent_moe_reference(z, ids, weights, packed)
-    assert _close(got, expected, 1e-4)
+    assert _agrees(got, expected)
     if experts == 896:
         # Most experts receive no token.
         assert len(ids.unique()) <= tokens * top_k < experts
@@ -73,7 +87,7 @@ def test_fnuz_activations_and_weights_for_gfx94x(fmt):
     assert moe.activation_dtype(packed, fp8_dtype) == FNUZ
     got = moe.latent_moe(z, ids, weights, packed, fp8_dtype=fp8_dtype)
     expected = moe.latent_moe_reference(z, ids, weights, packed, fp8_dtype=fp8_dtype)
-    assert _close(got, expected, 1e-4)
+    assert _agrees(got, expected)
     assert _close(got, moe.latent_moe_reference(z, ids, weights, ocp), 0.1)
     assert not torch.equal(got, moe.latent_moe(z, ids, weights, ocp))
 
@@ -95,7 +109,7 @@ def test_block_scales_across_several_blocks():
     assert packed.w13_scale.shape == (4, 3, 3) and packed.w2_scale.shape == (4, 3, 2)
     got = moe.latent_moe(z, ids, weights, packed)
     expected = moe.latent_moe_reference(z, ids, weights, packed)
-    assert _close(got, expected, 1e-4)
+    assert _agrees(got, expected)
     # Each block's scale is its own: dequantized weights stay within e4m3 rounding.
     assert (moe.dequantize(packed, "w13") - w13).abs().max() <= 2**-4 * w13.abs().max()
 
@@ -124,24 +138,49 @@ def test_mxfp4_weights_decode_like_the_checkpoint_reader():
 
 def test_sort_by_expert_groups_and_pads():
     ids = torch.tensor([[3, 1], [1, 0], [3, 3]])
-    rows, block_expert = moe.sort_by_expert(ids, 5, block_m=2)
-    assert block_expert.tolist() == [0, 1, 3, 3]
-    assert rows.tolist() == [3, -1, 1, 2, 0, 4, 5, -1]
+    rows, block_expert, used_rows = moe.sort_by_expert(ids, 5, block_m=2)
+    # Capacity: 6 pairs + 5 groups x 1 padding row, in whole blocks: 12 rows.
+    assert used_rows.tolist() == [8] and rows.numel() == 12
+    assert rows.tolist() == [3, -1, 1, 2, 0, 4, 5, -1] + [-1] * 4
+    assert block_expert[:4].tolist() == [0, 1, 3, 3]
+    assert (block_expert < 5).all()  # blocks past the used rows name a real expert
 
 
 def test_sort_by_expert_at_k3_routing():
     """Top-16 of 896 for 37 tokens: every pair once, in its expert's padded group,
-    in token order within the group."""
+    in token order within the group; nothing after the used rows."""
     _, ids, *_ = _case(37, 896, 16)
-    rows, block_expert = moe.sort_by_expert(ids, 896, block_m=16)
+    rows, block_expert, used_rows = moe.sort_by_expert(ids, 896, block_m=16)
     flat = ids.reshape(-1)
+    used = int(used_rows)
+    assert (rows[used:] == -1).all() and used % 16 == 0
+    rows = rows[:used]
     real = rows[rows >= 0]
     assert sorted(real.tolist()) == list(range(flat.numel()))
-    expert_of_row = block_expert.repeat_interleave(16)
+    expert_of_row = block_expert[: used // 16].repeat_interleave(16)
     assert torch.equal(flat[real], expert_of_row[rows >= 0])
     for expert in flat.unique().tolist():
         group = rows[(expert_of_row == expert) & (rows >= 0)]
         assert torch.equal(group, group.sort().values)
+
+
+@pytest.mark.parametrize("fmt", list(BUILDERS))
+def test_the_kernel_path_reads_nothing_back_from_the_device(fmt):
+    """No sync per MoE layer, and what a CUDA graph needs: the routing sort and
+    both kernels run without the host reading a device value."""
+    z, ids, weights, w13, w2 = _case(9, 896, 16, seed=3)
+    packed = BUILDERS[fmt](w13, w2)
+    with no_host_reads():
+        got = moe.latent_moe(z, ids, weights, packed)
+    assert _agrees(got, moe.latent_moe_reference(z, ids, weights, packed))
+
+
+def test_the_host_read_watch_sees_the_old_sort():
+    """The watch above can fail: a read-back of the padded length is caught."""
+    ids = torch.tensor([[3, 1], [1, 0]])
+    with pytest.raises(HostRead), no_host_reads():
+        padded = torch.bincount(ids.reshape(-1), minlength=5)
+        torch.full((int(padded.sum()),), -1)
 
 
 def test_gpu_benchmark_script_runs_its_smoke_shapes():

@@ -1,0 +1,64 @@
+"""Catch reads of device values on the host: what makes a GPU step wait for the
+device (a sync) and what a CUDA graph cannot capture.
+
+``no_host_reads()`` fails the first operation that needs a tensor's values on the
+host: ``.item()``, ``int()``, ``float()``, ``bool()``, ``.tolist()``, and the ops whose
+output size depends on the values (``nonzero``, ``unique``, boolean masks,
+``repeat_interleave`` without an output size, ``bincount``, whose length is the
+largest value). It works on the CPU too, so the GPU paths' host reads are found where
+the tests run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_READ_OPS = {
+    "aten._local_scalar_dense",  # .item(), int(), float(), bool()
+    "aten.nonzero",
+    "aten.nonzero_static",
+    "aten.masked_select",
+    "aten._unique",
+    "aten._unique2",
+    "aten.unique_dim",
+    "aten.unique_consecutive",
+    "aten.repeat_interleave",
+    "aten.bincount",
+}
+
+
+class HostRead(AssertionError):
+    pass
+
+
+class _Watch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket._qualified_op_name.replace("::", ".")
+        if name in HOST_READ_OPS and not (
+            name == "aten.repeat_interleave" and kwargs.get("output_size") is not None
+        ):
+            raise HostRead(f"{name} reads device values on the host")
+        if name == "aten.index" and any(
+            index is not None and index.dtype == torch.bool for index in args[1]
+        ):
+            raise HostRead("boolean-mask indexing reads device values on the host")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    original_tolist = torch.Tensor.tolist
+
+    def tolist(self):
+        raise HostRead(".tolist() reads device values on the host")
+
+    torch.Tensor.tolist = tolist
+    try:
+        with _Watch():
+            yield
+    finally:
+        torch.Tensor.tolist = original_tolist
