@@ -4,9 +4,9 @@ device (a sync) and what a CUDA graph cannot capture.
 ``no_host_reads()`` fails the first operation that needs a tensor's values on the
 host: ``.item()``, ``int()``, ``float()``, ``bool()``, ``.tolist()``, and the ops whose
 output size depends on the values (``nonzero``, ``unique``, boolean masks,
-``repeat_interleave`` without an output size, ``bincount``, whose length is the
-largest value). It works on the CPU too, so the GPU paths' host reads are found where
-the tests run.
+``repeat_interleave`` by a tensor of counts without an output size, ``bincount``,
+whose length is the largest value). It works on the CPU too, so the GPU paths' host
+reads are found where the tests run.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket._qualified_op_name.replace("::", ".")
-        if name in HOST_READ_OPS and not (
-            name == "aten.repeat_interleave" and kwargs.get("output_size") is not None
-        ):
+        sized_repeat = name == "aten.repeat_interleave" and (
+            func._overloadname == "self_int" or kwargs.get("output_size") is not None
+        )
+        if name in HOST_READ_OPS and not sized_repeat:
             raise HostRead(f"{name} reads device values on the host")
         if name == "aten.index" and any(
             index is not None and index.dtype == torch.bool for index in args[1]

@@ -5,6 +5,7 @@ model, so it is driven here with the GDN metadata vLLM would build)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from k3_triton_kernels import latent_moe as moe_kernel
+from tests.host_reads import no_host_reads
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.checkpoint_format import WeightShapeError
 from vllm_k3_plugin.vllm_adapter.settings import KERNELS_ENV
@@ -188,27 +190,45 @@ def test_unknown_names_warn_and_vision_weights_are_skipped(build, weights, plugi
 # -- KDA state across prefill chunks ---------------------------------------------------
 
 
-def _kda_step(layer, vllm_config, hidden, spans, slots, initialized):
-    """One forward of ``layer`` over sequences ``spans`` (token counts) in ``slots``."""
+def _kda_step(
+    layer,
+    vllm_config,
+    hidden,
+    spans,
+    slots,
+    initialized,
+    *,
+    watch=contextlib.nullcontext,
+):
+    """One forward of ``layer`` over sequences ``spans`` (token counts) in ``slots``,
+    inside ``watch()``. As vLLM's GDN metadata builder does, a batch of one-token
+    steps of sequences with state is a batch of decodes (no prefill, no
+    ``has_initial_state``); any other batch is given as prefills."""
     from vllm.forward_context import set_forward_context
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
     starts = torch.tensor(
         [0, *torch.tensor(spans).cumsum(0).tolist()], dtype=torch.int32
     )
+    tokens = int(starts[-1])
+    decodes_only = all(span == 1 for span in spans) and all(initialized)
     metadata = GDNAttentionMetadata(
-        num_prefills=len(spans),
-        num_prefill_tokens=int(starts[-1]),
-        num_decodes=0,
-        num_decode_tokens=0,
+        num_prefills=0 if decodes_only else len(spans),
+        num_prefill_tokens=0 if decodes_only else tokens,
+        num_decodes=len(spans) if decodes_only else 0,
+        num_decode_tokens=tokens if decodes_only else 0,
         num_spec_decodes=0,
         num_spec_decode_tokens=0,
-        num_actual_tokens=int(starts[-1]),
-        has_initial_state=torch.tensor(initialized),
+        num_actual_tokens=tokens,
+        has_initial_state=None if decodes_only else torch.tensor(initialized),
         non_spec_query_start_loc=starts,
         non_spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
     )
-    with torch.no_grad(), set_forward_context({layer.prefix: metadata}, vllm_config):
+    with (
+        torch.no_grad(),
+        set_forward_context({layer.prefix: metadata}, vllm_config),
+        watch(),
+    ):
         return layer(hidden)
 
 
@@ -279,7 +299,8 @@ def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
     """Two sequences prefilled, then three decode steps batched: the kernel path
     (prefill chunks through ``kda_chunk_terms`` and ``kda_state_pass``, decode
     tokens through ``kda_decode``) against the PyTorch path, outputs and both cache
-    states (1e-5, fp32 summation order)."""
+    states (1e-5, fp32 summation order). The kernel path's decode-only steps read
+    nothing back from the device."""
     generator = torch.Generator().manual_seed(2)
     prompts = torch.randn(8, 64, generator=generator)
     steps = [torch.randn(2, 64, generator=generator) for _ in range(3)]
@@ -296,9 +317,12 @@ def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
         layer = built.language_model.model.layers[1].self_attn
         _fresh_cache(layer, slots=5)
         outputs = [_kda_step(layer, vllm_config, prompts, [5, 3], [1, 4], [False] * 2)]
+        watch = no_host_reads if built is kernel_model else contextlib.nullcontext
         for step in steps:
             outputs.append(
-                _kda_step(layer, vllm_config, step, [1, 1], [1, 4], [True] * 2)
+                _kda_step(
+                    layer, vllm_config, step, [1, 1], [1, 4], [True] * 2, watch=watch
+                )
             )
         conv, recurrent = layer.kv_cache
         results.append((torch.cat(outputs), conv[[1, 4]], recurrent[[1, 4]]))
@@ -388,6 +412,18 @@ def test_the_kernel_path_equals_its_reference_and_is_near_the_pytorch_path(
     assert (got - same_numerics).abs().max() <= 1e-4 * peak
     assert (got - unquantized).abs().max() <= 0.1 * unquantized.abs().max()
     assert not torch.equal(got, unquantized)
+
+
+def test_a_moe_layer_on_the_kernel_path_reads_nothing_back(kernel_model):
+    """Router, latent projections, the latent MoE and the shared experts: nothing is
+    read back from the device, so a MoE layer does not sync the step."""
+    layer = _moe(kernel_model, 2)
+    x = torch.randn(5, layer.gate.weight.shape[1], generator=torch.Generator())
+    with torch.no_grad():
+        want = layer(x)
+        with no_host_reads():
+            got = layer(x)
+    assert torch.equal(got, want)
 
 
 def test_the_kernel_path_quantizes_activations_to_the_platforms_fp8(

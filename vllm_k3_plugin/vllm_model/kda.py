@@ -203,18 +203,19 @@ class KdaAttention(nn.Module, MambaBase):
             raise SpeculativeKdaUnsupported(
                 "the PyTorch KDA path does not run speculative decoding"
             )
-        conv_cache, recurrent_cache = self.kv_cache
-        if not is_conv_state_dim_first():
-            conv_cache = conv_cache.transpose(-1, -2)
+        conv_cache, recurrent_cache = self._caches()
+        conv_weight = torch.cat(
+            [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        )
+        if self.use_kernels and metadata.num_prefills == 0:
+            self._decode_only(qkv, conv_weight, decay, beta, out, metadata)
+            return
         starts = metadata.non_spec_query_start_loc.tolist()
         slots = metadata.non_spec_state_indices_tensor.tolist()
         initialized = (
             [True] * (len(starts) - 1)
             if metadata.has_initial_state is None
             else metadata.has_initial_state.tolist()
-        )
-        conv_weight = torch.cat(
-            [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
         )
         shaped = (self.local_heads, self.head_dim)
         decode_rows: list[int] = []
@@ -259,15 +260,45 @@ class KdaAttention(nn.Module, MambaBase):
             recurrent_cache[slot] = state_out.to(recurrent_cache.dtype)
         if decode_rows:
             rows = torch.tensor(decode_rows, device=qkv.device)
-            out[rows] = kda_decode(
+            out[rows] = self._decode(
                 qkv[rows],
-                conv_weight[:, 0, :],
-                conv_cache,
+                conv_weight,
                 decay[rows],
-                self.dt_bias,
-                self.A_log,
                 beta[rows],
-                recurrent_cache,
                 torch.tensor(decode_slots, device=qkv.device),
-                lower_bound=self.lower_bound,
             )
+
+    def _decode_only(self, qkv, conv_weight, decay, beta, out, metadata) -> None:
+        """A batch of decodes only (vLLM classes a request's first chunk as a
+        prefill, so each token is the next one of a sequence with state), token
+        ``i`` in state slot ``i``. Nothing is read back from the device: the step
+        does not sync, and a CUDA graph can hold it (padded rows point at vLLM's
+        null block)."""
+        slots = metadata.non_spec_state_indices_tensor
+        rows = min(qkv.shape[0], slots.shape[0])
+        if rows:
+            out[:rows] = self._decode(
+                qkv[:rows], conv_weight, decay[:rows], beta[:rows], slots[:rows]
+            )
+
+    def _caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv state ``[slot, channels, kernel - 1]``, recurrent state)."""
+        conv_cache, recurrent_cache = self.kv_cache
+        if not is_conv_state_dim_first():
+            conv_cache = conv_cache.transpose(-1, -2)
+        return conv_cache, recurrent_cache
+
+    def _decode(self, qkv, conv_weight, decay, beta, slots) -> torch.Tensor:
+        conv_cache, recurrent_cache = self._caches()
+        return kda_decode(
+            qkv,
+            conv_weight[:, 0, :],
+            conv_cache,
+            decay,
+            self.dt_bias,
+            self.A_log,
+            beta,
+            recurrent_cache,
+            slots,
+            lower_bound=self.lower_bound,
+        )
