@@ -190,21 +190,11 @@ def test_unknown_names_warn_and_vision_weights_are_skipped(build, weights, plugi
 # -- KDA state across prefill chunks ---------------------------------------------------
 
 
-def _kda_step(
-    layer,
-    vllm_config,
-    hidden,
-    spans,
-    slots,
-    initialized,
-    *,
-    watch=contextlib.nullcontext,
-):
-    """One forward of ``layer`` over sequences ``spans`` (token counts) in ``slots``,
-    inside ``watch()``. As vLLM's GDN metadata builder does, a batch of one-token
-    steps of sequences with state is a batch of decodes (no prefill, no
-    ``has_initial_state``); any other batch is given as prefills."""
-    from vllm.forward_context import set_forward_context
+def _gdn_metadata(spans, slots, initialized):
+    """The GDN metadata of sequences ``spans`` (token counts) in ``slots``. As vLLM's
+    builder does, a batch of one-token steps of sequences with state is a batch of
+    decodes (no prefill, no ``has_initial_state``); any other batch is given as
+    prefills."""
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
     starts = torch.tensor(
@@ -212,7 +202,7 @@ def _kda_step(
     )
     tokens = int(starts[-1])
     decodes_only = all(span == 1 for span in spans) and all(initialized)
-    metadata = GDNAttentionMetadata(
+    return GDNAttentionMetadata(
         num_prefills=0 if decodes_only else len(spans),
         num_prefill_tokens=0 if decodes_only else tokens,
         num_decodes=len(spans) if decodes_only else 0,
@@ -224,12 +214,32 @@ def _kda_step(
         non_spec_query_start_loc=starts,
         non_spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
     )
+
+
+def _run_kda(layer, vllm_config, hidden, metadata, *, watch=contextlib.nullcontext):
+    """One forward of ``layer`` on ``metadata``, inside ``watch()``."""
+    from vllm.forward_context import set_forward_context
+
     with (
         torch.no_grad(),
         set_forward_context({layer.prefix: metadata}, vllm_config),
         watch(),
     ):
         return layer(hidden)
+
+
+def _kda_step(
+    layer,
+    vllm_config,
+    hidden,
+    spans,
+    slots,
+    initialized,
+    *,
+    watch=contextlib.nullcontext,
+):
+    metadata = _gdn_metadata(spans, slots, initialized)
+    return _run_kda(layer, vllm_config, hidden, metadata, watch=watch)
 
 
 def _fresh_cache(layer, slots: int = 4):
@@ -255,6 +265,30 @@ def test_kda_state_is_carried_across_chunks_and_steps(model, vllm_config):
         )
         at += size
     torch.testing.assert_close(torch.cat(pieces), whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_steps_batch_is_read_back_once_for_all_kda_layers(
+    model, kernel_model, vllm_config, kernels
+):
+    """vLLM hands every KDA layer of a step the same metadata: the first layer reads
+    the batch (spans, slots, which have state) back in one transfer; the next reads
+    nothing and gives what it gives on its own metadata."""
+    built = kernel_model if kernels else model
+    first, second = (built.language_model.model.layers[i].self_attn for i in (0, 1))
+    hidden = torch.randn(12, 64, generator=torch.Generator().manual_seed(5))
+    spans, slots, initialized = [7, 1, 4], [0, 2, 3], [False, True, False]
+    _fresh_cache(first)
+    _fresh_cache(second)
+    for layer in (first, second):  # slot 2's state, from a 3-token prefill
+        _kda_step(layer, vllm_config, hidden[:3], [3], [2], [False])
+    alone = _kda_step(second, vllm_config, hidden, spans, slots, initialized)
+    for layer in (first, second):
+        _kda_step(layer, vllm_config, hidden[:3], [3], [2], [False])
+    shared = _gdn_metadata(spans, slots, initialized)
+    _run_kda(first, vllm_config, hidden, shared)
+    got = _run_kda(second, vllm_config, hidden, shared, watch=no_host_reads)
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-6)
 
 
 def test_kda_two_sequences_interleaved_in_one_batch(model, vllm_config):

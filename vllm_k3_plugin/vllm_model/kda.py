@@ -18,6 +18,8 @@ Heads shard over tensor parallelism; every rank keeps the state of its own heads
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -54,6 +56,38 @@ from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 
 class SpeculativeKdaUnsupported(NotImplementedError):
     pass
+
+
+class HostBatch(NamedTuple):
+    """Per sequence of the batch: token span ``starts[i]:starts[i + 1]``, state slot,
+    and whether the slot holds its state already."""
+
+    starts: list[int]
+    slots: list[int]
+    initialized: list[bool]
+
+
+def host_batch(metadata) -> HostBatch:
+    """The GDN metadata's batch on the host: read back in one transfer, then kept on
+    the metadata object, which vLLM shares between the layers of a step, so one
+    sync per step instead of three per layer."""
+    cached = getattr(metadata, "_k3_host_batch", None)
+    if cached is not None:
+        return cached
+    starts = metadata.non_spec_query_start_loc
+    count = starts.shape[0] - 1
+    parts = [starts.long(), metadata.non_spec_state_indices_tensor[:count].long()]
+    if metadata.has_initial_state is not None:
+        parts.append(metadata.has_initial_state[:count].long())
+    values = torch.cat(parts).tolist()
+    initialized = values[2 * count + 1 :] or [1] * count
+    batch = HostBatch(
+        starts=values[: count + 1],
+        slots=values[count + 1 : 2 * count + 1],
+        initialized=[bool(flag) for flag in initialized],
+    )
+    metadata._k3_host_batch = batch
+    return batch
 
 
 def kda_state_shapes(
@@ -210,13 +244,7 @@ class KdaAttention(nn.Module, MambaBase):
         if self.use_kernels and metadata.num_prefills == 0:
             self._decode_only(qkv, conv_weight, decay, beta, out, metadata)
             return
-        starts = metadata.non_spec_query_start_loc.tolist()
-        slots = metadata.non_spec_state_indices_tensor.tolist()
-        initialized = (
-            [True] * (len(starts) - 1)
-            if metadata.has_initial_state is None
-            else metadata.has_initial_state.tolist()
-        )
+        starts, slots, initialized = host_batch(metadata)
         shaped = (self.local_heads, self.head_dim)
         decode_rows: list[int] = []
         decode_slots: list[int] = []
@@ -225,7 +253,7 @@ class KdaAttention(nn.Module, MambaBase):
             if begin == end:
                 continue
             slot = slots[index]
-            had_state = bool(initialized[index])
+            had_state = initialized[index]
             if self.use_kernels and had_state and end - begin == 1:
                 decode_rows.append(begin)
                 decode_slots.append(slot)
