@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU check, as one command on a machine with PyTorch and Triton but no vLLM
+# (the device tool's H200 image): the kernel tests with their inputs on the GPU, then
+# the benchmark with vLLM's Triton kernels side by side.
+#
+#   benchmarks/gpu_check.sh prepare   # here: copy the vLLM kernel sources to carry
+#   benchmarks/gpu_check.sh           # there, carrying .vllm_src; writes to $OUT
+#
+# `prepare` copies the vLLM files benchmarks/vllm_baselines.py reads (vLLM's own
+# Triton kernels, run without importing vLLM) from this checkout's .venv into
+# .vllm_src/ (git-ignored), keeping vLLM's layout. The run puts this checkout on
+# PYTHONPATH with triton_kernels/ under its import name k3_triton_kernels (no pip
+# install there), and writes the test log, the benchmark table and its JSON to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "prepare" ]]; then
+    src=$(.venv/bin/python -c \
+        "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])")
+    files=$(PYTHONPATH=benchmarks .venv/bin/python -c \
+        "from vllm_baselines import SOURCE_FILES; print(' '.join(SOURCE_FILES))")
+    rm -rf .vllm_src
+    for f in $files; do
+        mkdir -p ".vllm_src/$(dirname "$f")"
+        cp "$src/$f" ".vllm_src/$f"
+    done
+    echo "copied into .vllm_src: $files"
+    exit 0
+fi
+
+OUT="${OUT:-/tmp/k3-gpu-check}"
+mkdir -p "$OUT" /tmp/k3-path
+ln -sfn "$PWD/triton_kernels" /tmp/k3-path/k3_triton_kernels
+export PYTHONPATH="/tmp/k3-path:$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+[[ -d .vllm_src ]] && export VLLM_SRC="$PWD/.vllm_src"
+PY="${PYTHON:-python3}"
+
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
+triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+"$PY" -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log"
+tests=$?
+"$PY" benchmarks/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
+bench=$?
+echo "kernel tests rc=$tests, benchmark rc=$bench"
+exit $((tests || bench))

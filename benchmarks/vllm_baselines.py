@@ -1,0 +1,290 @@
+"""vLLM's own Triton kernels for the benchmark's side-by-side, run without importing
+the ``vllm`` package.
+
+The kernels the benchmark compares against (``decode_attention_fwd`` for MLA decode,
+``fused_moe_kernel`` for the MoE GEMMs) are plain Triton; ``import vllm`` pulls in the
+whole engine and its compiled extension, which a GPU machine with only PyTorch and
+Triton does not have. So their source files are read from vLLM's package folder (an
+installed vLLM, found without importing it, or a copy of its source tree named by
+``VLLM_SRC``) and run in a namespace that provides the few vLLM names they use:
+``current_platform`` (ROCm or CUDA, the device capability), ``triton`` / ``tl``,
+``envs.VLLM_BATCH_INVARIANT`` (off) and ``next_power_of_2``. The kernels' code and
+vLLM's default MoE tile configs are vLLM's, unchanged.
+
+The MoE job around the two GEMMs is done here in PyTorch, as our kernel does it
+(routing sort into vLLM's ``sorted_token_ids`` layout, per-token FP8 activations,
+SiTU-GLU between the GEMMs, the weighted sum over the top-k): vLLM's versions of
+those steps are C++ ops of its compiled extension. They are timed with the GEMMs.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import os
+import sys
+import types
+from functools import cache
+from pathlib import Path
+
+import torch
+
+DECODE_ATTENTION = "v1/attention/ops/triton_decode_attention.py"
+FUSED_MOE = "model_executor/layers/fused_moe/fused_moe.py"
+FUSED_MOE_UTILS = "model_executor/layers/fused_moe/utils.py"
+SOURCE_FILES = (DECODE_ATTENTION, FUSED_MOE, FUSED_MOE_UTILS)
+
+
+class BaselineUnavailable(RuntimeError):
+    pass
+
+
+def vllm_source_root() -> Path:
+    """``VLLM_SRC`` (a folder holding ``SOURCE_FILES`` under vLLM's layout), else the
+    installed vLLM's package folder."""
+    explicit = os.environ.get("VLLM_SRC")
+    if explicit:
+        return Path(explicit)
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise BaselineUnavailable("no vLLM installed and VLLM_SRC not set")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+class _Platform:
+    """The parts of ``vllm.platforms.current_platform`` these kernels read."""
+
+    def is_rocm(self) -> bool:
+        return torch.version.hip is not None
+
+    def is_cuda(self) -> bool:
+        return torch.cuda.is_available() and torch.version.hip is None
+
+    def is_device_capability(self, capability) -> bool:
+        if not torch.cuda.is_available():
+            return False
+        major, minor = torch.cuda.get_device_capability()
+        if isinstance(capability, int):
+            return major * 10 + minor == capability
+        return (major, minor) == tuple(capability)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _namespace() -> dict:
+    import triton
+    import triton.language as tl
+
+    return {
+        "functools": functools,
+        "torch": torch,
+        "triton": triton,
+        "tl": tl,
+        "current_platform": _Platform(),
+        "envs": types.SimpleNamespace(VLLM_BATCH_INVARIANT=False),
+        "next_power_of_2": _next_power_of_2,
+    }
+
+
+def _read(relative: str) -> str:
+    path = vllm_source_root() / relative
+    if not path.is_file():
+        raise BaselineUnavailable(f"{path} not found")
+    return path.read_text()
+
+
+@cache
+def decode_attention_fwd():
+    """vLLM's ``decode_attention_fwd``, its module loaded whole with the
+    ``vllm.platforms`` and ``vllm.triton_utils`` it imports stood in for."""
+    names = _namespace()
+    path = vllm_source_root() / DECODE_ATTENTION
+    source = _read(DECODE_ATTENTION)
+    stand_ins = {
+        "vllm": types.ModuleType("vllm"),
+        "vllm.platforms": types.SimpleNamespace(
+            current_platform=names["current_platform"]
+        ),
+        "vllm.triton_utils": types.SimpleNamespace(
+            triton=names["triton"], tl=names["tl"]
+        ),
+    }
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    sys.modules.update(stand_ins)
+    try:
+        module = types.ModuleType("vllm_baseline_decode_attention")
+        module.__file__ = str(path)
+        # Triton reads a jitted function's source from its file: keep it reachable.
+        sys.modules[module.__name__] = module
+        exec(compile(source, module.__file__, "exec"), module.__dict__)
+    finally:
+        for name, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
+    return module.decode_attention_fwd
+
+
+def _functions(relative: str, wanted: tuple[str, ...], namespace: dict) -> dict:
+    """The top-level functions ``wanted`` of a vLLM file (decorators included),
+    defined in ``namespace``."""
+    source = _read(relative)
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in wanted:
+            first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            found[node.name] = "".join(lines[first - 1 : node.end_lineno])
+    missing = set(wanted) - set(found)
+    if missing:
+        raise BaselineUnavailable(f"{relative}: no {sorted(missing)}")
+    path = str(vllm_source_root() / relative)
+    for name in wanted:
+        # Keep each function's line numbers, so Triton's source lookups line up.
+        first = source[: source.index(found[name])].count("\n")
+        padded = "\n" * first + found[name]
+        exec(compile(padded, path, "exec"), namespace)
+    return namespace
+
+
+@cache
+def fused_moe_parts():
+    """``(fused_moe_kernel, get_default_config, enable_swap_ab)`` from vLLM."""
+    namespace = _namespace()
+    module = types.ModuleType("vllm_baseline_fused_moe")
+    module.__dict__.update(namespace)
+    module.__file__ = str(vllm_source_root() / FUSED_MOE)
+    sys.modules[module.__name__] = module
+    _functions(
+        FUSED_MOE,
+        ("write_zeros_to_output", "fused_moe_kernel", "get_default_config"),
+        module.__dict__,
+    )
+    _functions(FUSED_MOE_UTILS, ("enable_swap_ab",), module.__dict__)
+    return module.fused_moe_kernel, module.get_default_config, module.enable_swap_ab
+
+
+def _gemm(a, a_scale, w, w_scale, sorted_ids, block_expert, used, config, top_k,
+          block_shape, routing=None):  # fmt: skip
+    """One of vLLM's MoE GEMMs, launched as ``invoke_fused_moe_triton_kernel`` does:
+    ``[pairs, N]`` bf16 rows, one per routed (token, slot) pair. The gate/up GEMM
+    reads token rows (``top_k`` pairs each); the down GEMM (``routing`` given) reads
+    pair rows and scales each by its routing weight."""
+    import triton.language as tl
+
+    kernel, _, enable_swap_ab = fused_moe_parts()
+    rows_per_a = 1 if routing is not None else top_k
+    pairs = a.shape[0] * rows_per_a
+    out = torch.empty(pairs, 1, w.shape[1], dtype=torch.bfloat16, device=a.device)
+    rows = sorted_ids.shape[0]
+    if a.shape[0] < config["BLOCK_SIZE_M"]:
+        rows = min(rows, a.shape[0] * rows_per_a * config["BLOCK_SIZE_M"])
+    config = dict(config)
+    block_k = config.pop("BLOCK_SIZE_K")
+    config.pop("SPLIT_K", None)
+    if block_shape is not None:
+        block_k = min(block_k, *block_shape)
+    grid = (
+        -(-rows // config["BLOCK_SIZE_M"]) * -(-w.shape[1] // config["BLOCK_SIZE_N"]),
+    )
+    kernel[grid](
+        a, w, out, None, a_scale, w_scale, routing, sorted_ids, block_expert, used,
+        w.shape[1], w.shape[2], rows, pairs,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(2), w.stride(1),
+        out.stride(0), out.stride(2),
+        a_scale.stride(0), a_scale.stride(1),
+        w_scale.stride(0), w_scale.stride(2), w_scale.stride(1), 0, 0,
+        0 if block_shape is None else block_shape[0],
+        0 if block_shape is None else block_shape[1],
+        naive_block_assignment=False,
+        BLOCK_SIZE_K=block_k,
+        SPLIT_K=1,
+        MUL_ROUTED_WEIGHT=routing is not None,
+        top_k=rows_per_a,
+        compute_type=tl.bfloat16,
+        use_fp8_w8a8=True,
+        use_int8_w8a8=False,
+        use_int8_w8a16=False,
+        per_channel_quant=block_shape is None,
+        HAS_BIAS=False,
+        SWAP_AB=enable_swap_ab(config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"]),
+        USE_TD=False,
+        **config,
+    )  # fmt: skip
+    return out[:, 0]
+
+
+def vllm_latent_moe(z, ids, weights, experts, *, beta=4.0, linear_beta=25.0):
+    """The latent MoE on vLLM's ``fused_moe_kernel`` GEMMs with vLLM's default tile
+    configs: FP8 per-channel (per-token activations) or 128 x 128 blocks (1 x 128
+    activation groups) weights from ``k3_triton_kernels.latent_moe``. Returns
+    ``[T, L]`` fp32."""
+    from k3_triton_kernels.latent_moe import quantize_per_row, sort_by_expert
+    from vllm_k3_plugin.model.reference import situ_glu
+
+    _, get_default_config, _ = fused_moe_parts()
+    tokens, latent = z.shape
+    top_k = ids.shape[1]
+    num_experts, double_inner, _ = experts.w13.shape
+    block = experts.fmt == "fp8-block"
+    block_shape = [128, 128] if block else None
+    config = get_default_config(
+        tokens, num_experts, double_inner, latent, top_k, "fp8_w8a8", block_shape
+    )
+    rows, block_expert, used = sort_by_expert(ids, num_experts, config["BLOCK_SIZE_M"])
+    sorted_ids = torch.where(rows >= 0, rows, ids.numel()).to(torch.int32)
+    block_expert, used = block_expert.to(torch.int32), used.to(torch.int32)
+
+    dtype = experts.w13.dtype
+
+    def activations(x):
+        """FP8 per token, or per 1 x 128 group for block weights (vLLM's pairing)."""
+        if not block:
+            values, scale = quantize_per_row(x, dtype)
+            return values, scale[:, None]
+        width = x.shape[-1]
+        padded = torch.nn.functional.pad(x.float(), (0, -width % 128))
+        values, scale = quantize_per_row(padded.unflatten(-1, (-1, 128)), dtype)
+        return values.flatten(-2)[:, :width].contiguous(), scale
+
+    def scales(s):
+        return s.float()[..., None] if not block else s.float()
+
+    a, a_scale = activations(z)
+    gate_up = _gemm(
+        a, a_scale, experts.w13, scales(experts.w13_scale), sorted_ids,
+        block_expert, used, config, top_k, block_shape,
+    )  # fmt: skip
+    inner = double_inner // 2
+    h = situ_glu(
+        gate_up[:, :inner].float(),
+        gate_up[:, inner:].float(),
+        beta=beta,
+        linear_beta=linear_beta,
+    )
+    config2 = get_default_config(
+        tokens, num_experts, latent, inner, top_k, "fp8_w8a8", block_shape
+    )
+    if config2["BLOCK_SIZE_M"] != config["BLOCK_SIZE_M"]:
+        config2["BLOCK_SIZE_M"] = config["BLOCK_SIZE_M"]  # one sort for both GEMMs
+    h_q, h_scale = activations(h)
+    down = _gemm(
+        h_q, h_scale, experts.w2, scales(experts.w2_scale), sorted_ids, block_expert,
+        used, config2, top_k, block_shape, routing=weights.float().contiguous(),
+    )  # fmt: skip
+    return down.float().view(tokens, top_k, latent).sum(dim=1)
+
+
+__all__ = [
+    "SOURCE_FILES",
+    "BaselineUnavailable",
+    "decode_attention_fwd",
+    "fused_moe_parts",
+    "vllm_latent_moe",
+    "vllm_source_root",
+]
