@@ -196,8 +196,33 @@ if triton is not None:
         """One expert's ``[BLOCK_N, BLOCK_K]`` tile as FP8 values and the scale of
         each output row for this K tile (``BLOCK_K`` divides 32, so an MXFP4 or a
         128-block scale is constant over the tile)."""
+        # One branch per format, one return after them: Triton compiles the code
+        # after an early return in a constexpr branch too, and an FP8 load with an
+        # integer ``other`` does not compile.
         mask = n_mask[:, None] & k_mask[None, :]
-        if FMT != 1:  # FP8 values, one per byte
+        if FMT == 1:  # MXFP4: two e2m1 values a byte, an e8m0 scale per 32
+            byte = tl.load(
+                w_ptr + expert * stride_we + n[:, None] * stride_wn + (k[None, :] // 2),
+                mask=mask,
+                other=0,
+            ).to(tl.int32)
+            nibble = tl.where((k[None, :] % 2) == 0, byte & 0xF, byte >> 4)
+            exponent = (nibble >> 1) & 0x3
+            mantissa = (nibble & 0x1).to(tl.float32)
+            magnitude = tl.where(
+                exponent == 0,
+                0.5 * mantissa,
+                tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * mantissa),
+            )
+            # Every e2m1 value is exact in e4m3.
+            values = tl.where((nibble & 0x8) != 0, -magnitude, magnitude).to(FP8_TYPE)
+            e8m0 = tl.load(
+                s_ptr + expert * stride_se + n * stride_sn + k0 // 32,
+                mask=n_mask,
+                other=127,
+            ).to(tl.float32)
+            scale = tl.where(n_mask, tl.exp2(e8m0 - 127.0), 0.0)
+        else:  # FP8 values, one a byte
             values = tl.load(
                 w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
                 mask=mask,
@@ -213,28 +238,7 @@ if triton is not None:
                     mask=n_mask,
                     other=0.0,
                 )
-            return values, scale
-        byte = tl.load(
-            w_ptr + expert * stride_we + n[:, None] * stride_wn + (k[None, :] // 2),
-            mask=mask,
-            other=0,
-        ).to(tl.int32)
-        nibble = tl.where((k[None, :] % 2) == 0, byte & 0xF, byte >> 4)
-        exponent = (nibble >> 1) & 0x3
-        mantissa = (nibble & 0x1).to(tl.float32)
-        magnitude = tl.where(
-            exponent == 0,
-            0.5 * mantissa,
-            tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * mantissa),
-        )
-        # Every e2m1 value is exact in e4m3.
-        value = tl.where((nibble & 0x8) != 0, -magnitude, magnitude).to(FP8_TYPE)
-        e8m0 = tl.load(
-            s_ptr + expert * stride_se + n * stride_sn + k0 // 32,
-            mask=n_mask,
-            other=127,
-        ).to(tl.float32)
-        return value, tl.where(n_mask, tl.exp2(e8m0 - 127.0), 0.0)
+        return values, scale
 
     @triton.jit
     def _block_rows(rows_ptr, block_expert_ptr, top_k, BLOCK_M: tl.constexpr):
