@@ -2,11 +2,13 @@
 device (a sync) and what a CUDA graph cannot capture.
 
 ``no_host_reads()`` fails the first operation that needs a tensor's values on the
-host: ``.item()``, ``int()``, ``float()``, ``bool()``, ``.tolist()``, and the ops whose
-output size depends on the values (``nonzero``, ``unique``, boolean masks,
-``repeat_interleave`` by a tensor of counts without an output size, ``bincount``,
-whose length is the largest value). It works on the CPU too, so the GPU paths' host
-reads are found where the tests run.
+host: ``.item()``, ``int()``, ``float()``, ``bool()``, ``.tolist()``, ``torch.equal``
+and ``allclose``, a copy to the CPU of a tensor that is elsewhere, and the ops whose
+output size depends on the values (``nonzero``, ``unique``, boolean masks read or
+written, ``repeat_interleave`` by a tensor of counts without an output size,
+``bincount``, whose length is the largest value). It works on the CPU too, so the GPU
+paths' host reads are found where the tests run; a ``.cpu()`` or ``.numpy()`` of a
+CPU tensor is no read there, and goes unseen.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 HOST_READ_OPS = {
     "aten._local_scalar_dense",  # .item(), int(), float(), bool()
     "aten.nonzero",
-    "aten.nonzero_static",
     "aten.masked_select",
     "aten._unique",
     "aten._unique2",
@@ -27,6 +28,8 @@ HOST_READ_OPS = {
     "aten.unique_consecutive",
     "aten.repeat_interleave",
     "aten.bincount",
+    "aten.equal",
+    "aten.allclose",
 }
 
 
@@ -43,10 +46,14 @@ class _Watch(TorchDispatchMode):
         )
         if name in HOST_READ_OPS and not sized_repeat:
             raise HostRead(f"{name} reads device values on the host")
-        if name == "aten.index" and any(
+        if name in ("aten.index", "aten.index_put", "aten.index_put_") and any(
             index is not None and index.dtype == torch.bool for index in args[1]
         ):
-            raise HostRead("boolean-mask indexing reads device values on the host")
+            raise HostRead("a boolean mask index reads device values on the host")
+        if name == "aten._to_copy" and kwargs.get("device") is not None:
+            source, target = args[0].device, torch.device(kwargs["device"])
+            if target.type == "cpu" and source.type != "cpu":
+                raise HostRead(f"a copy from {source} to the CPU")
         return func(*args, **kwargs)
 
 

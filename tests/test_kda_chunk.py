@@ -164,6 +164,26 @@ def test_the_terms_and_state_pass_run_in_ieee_fp32_and_the_setting_is_restored(
     assert torch.backends.mkldnn.matmul.fp32_precision == "tf32"
 
 
+def test_after_vllms_legacy_precision_call_the_terms_still_run_in_ieee_fp32():
+    """vLLM sets the precision with the legacy call
+    (``torch.set_float32_matmul_precision``); inside, the per-backend setting is
+    IEEE, and afterwards the legacy setting reads as it was."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    seen = []
+
+    def recording(*args):
+        seen.append(torch.backends.cuda.matmul.fp32_precision)
+        return chunk_terms(*args)
+
+    try:
+        kda_chunked(*_inputs(20, 2, 16, 16), run_chunk_terms=recording)
+        assert seen == ["ieee"]
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
 @pytest.mark.parametrize("heads", [96, 12, 1])  # K3 at TP 1 and 8, and one head
 def test_the_default_window_bounds_the_terms_memory(heads):
     window = window_tokens_for(heads, 128, 128, chunk=16)

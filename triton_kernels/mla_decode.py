@@ -18,8 +18,8 @@ a GPU), both dots run on bf16 tensor cores with fp32 accumulation: the query and
 cache value are exact in bf16 (an e4m3 value has 3 mantissa bits), the layer's scale
 is applied to the scores and the output instead of the values, and the softmax
 weights are rounded to bf16 (ties to even) for the value dot while their sum stays
-fp32. The output then differs from the reference by at most ``2^-9 · max|value|``
-(each weight within ``2^-9`` relative; the weights sum to one) plus fp32 summation
+fp32. The output then differs from the reference by at most ``2^-8 · max|value|``
+(each weight within ``2^-8`` relative; the weights sum to one) plus fp32 summation
 order; the LSE by summation order only. Any other dtype pair runs fp32 dots
 (``ieee``), differing from the reference by summation order only; on a GPU they run
 without tensor cores, several times slower. Under ``TRITON_INTERPRET=1`` (whose bf16

@@ -32,6 +32,11 @@ def triton_blocker(device: torch.device) -> str | None:
     return None
 
 
+# The chunked KDA kernels hold C x C and C x K tiles in registers: at 64 tokens a
+# chunk they spill (sm90, gfx942), so the model runs them on chunks of at most 32.
+CHUNKED_KDA_MAX_CHUNK = 32
+
+
 def chunked_kda_tile_blocker(chunk: int, key_dim: int, value_dim: int) -> str | None:
     """Why the chunked KDA prefill kernels cannot tile these dims (``tl.dot`` takes
     powers of two ≥ 16; value columns are masked), or ``None``."""
@@ -41,6 +46,8 @@ def chunked_kda_tile_blocker(chunk: int, key_dim: int, value_dim: int) -> str | 
 
     if not tiles(chunk):
         return f"chunk length {chunk} (the gate's lower bound) is not a power of 2 ≥ 16"
+    if chunk > CHUNKED_KDA_MAX_CHUNK:
+        return f"chunk length {chunk} is over {CHUNKED_KDA_MAX_CHUNK} (register tiles)"
     if not tiles(key_dim):
         return f"key head dim {key_dim} is not a power of 2 ≥ 16"
     if value_dim < 16:

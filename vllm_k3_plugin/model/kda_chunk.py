@@ -168,6 +168,7 @@ def kda_chunked(
     run_chunk_terms: TermsFn = chunk_terms,
     run_state_pass: StatePass = state_pass,
     window_tokens: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kda_recurrence``'s contract (``q, k`` ``[T, H, K]`` normalized, ``v``
     ``[T, H, V]``, ``g`` ``[T, H, K]`` log decay in ``[lower_bound, 0]``, ``beta``
@@ -175,12 +176,19 @@ def kda_chunked(
     ``run_state_pass``: ``chunk_terms`` and ``state_pass``, or kernels with their
     contracts. The terms of at most ``window_tokens`` (rounded down to whole chunks;
     default ``window_tokens_for``) are held at once, so a long prompt's memory stays
-    bounded. Returns ``(o [T, H, V], final state)``."""
+    bounded. ``chunk``: the chunk length, at most (and by default)
+    ``chunk_size_for(lower_bound)``. Returns ``(o [T, H, V], final state)``."""
     tokens, heads, key_dim = k.shape
     value_dim = v.shape[-1]
     s = starting_state(state, heads, key_dim, value_dim, q.device)
     out = torch.empty(tokens, heads, value_dim, dtype=torch.float32, device=q.device)
-    chunk = chunk_size_for(lower_bound)
+    longest = chunk_size_for(lower_bound)
+    if chunk is None:
+        chunk = longest
+    elif not 1 <= chunk <= longest:
+        raise ValueError(
+            f"chunk {chunk}: must be 1 to {longest} for lower bound {lower_bound}"
+        )
     if window_tokens is None:
         window_tokens = window_tokens_for(heads, key_dim, value_dim, chunk)
     window = max(chunk, window_tokens // chunk * chunk)

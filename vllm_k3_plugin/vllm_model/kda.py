@@ -47,10 +47,15 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from k3_triton_kernels.kda_chunk_state import kda_state_pass
 from k3_triton_kernels.kda_chunk_terms import kda_chunk_terms
 from k3_triton_kernels.kda_decode import kda_decode
-from k3_triton_kernels.runtime import log_path
+from k3_triton_kernels.runtime import CHUNKED_KDA_MAX_CHUNK, log_path
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.checkpoint_format import gate_lower_bound
-from vllm_k3_plugin.model.kda_chunk import chunk_terms, kda_chunked, state_pass
+from vllm_k3_plugin.model.kda_chunk import (
+    chunk_size_for,
+    chunk_terms,
+    kda_chunked,
+    state_pass,
+)
 from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 
 
@@ -139,6 +144,9 @@ class KdaAttention(nn.Module, MambaBase):
             log_path("KDA prefill chunk terms", "VLLM_K3_KERNELS=pytorch")
             log_path("KDA prefill state pass", "VLLM_K3_KERNELS=pytorch")
             log_path("KDA decode", "VLLM_K3_KERNELS=pytorch")
+        self.chunk = chunk_size_for(self.lower_bound)
+        if self.use_kernels:
+            self.chunk = min(self.chunk, CHUNKED_KDA_MAX_CHUNK)
         self.run_chunk_terms = kda_chunk_terms if self.use_kernels else chunk_terms
         self.run_state_pass = kda_state_pass if self.use_kernels else state_pass
         width = self.num_heads * self.head_dim
@@ -280,6 +288,7 @@ class KdaAttention(nn.Module, MambaBase):
                 beta[begin:end],
                 state_in,
                 lower_bound=self.lower_bound,
+                chunk=self.chunk,
                 run_chunk_terms=self.run_chunk_terms,
                 run_state_pass=self.run_state_pass,
             )

@@ -1,0 +1,195 @@
+"""Compile every kernel as its launcher launches it, for a real GPU target, on a
+machine without a GPU.
+
+The interpreter runs a kernel's Python, not its compilation: code Triton cannot
+compile for a GPU (a constexpr branch the interpreter never enters, a cast the
+backend refuses) passes every interpreter test. Here each launcher runs on CPU
+tensors with its backend check bypassed, and at every launch the kernel is compiled
+by ``triton.compile`` for the target (sm90: the H200 and H100; gfx942: MI300, FP8 as
+e4m3fnuz; gfx950: MI355X) with the launch's argument types and constexprs, instead of
+running. Nothing runs; what the launcher computes after a launch is garbage and
+unread.
+
+    python -m tests.kernels.cross_compile sm90   # one JSON line per launch
+
+Run it without ``TRITON_INTERPRET`` (it clears it before importing Triton).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGETS = {
+    "sm90": GPUTarget("cuda", 90, 32),
+    "gfx942": GPUTarget("hip", "gfx942", 64),
+    "gfx950": GPUTarget("hip", "gfx950", 64),
+}
+POINTEE = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e4m3fnuz: "fp8e4b8",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "i1",
+}
+
+
+class CompileInstead:
+    """What ``kernel[grid]`` returns here: a call that compiles the kernel."""
+
+    def __init__(self, kernel, case: str, target: GPUTarget, results: list) -> None:
+        self.kernel, self.case, self.target, self.results = (
+            kernel,
+            case,
+            target,
+            results,
+        )
+
+    def compile(self, *args, **kwargs) -> None:
+        signature, constexprs = {}, {}
+        for param, value in zip(self.kernel.params, args):
+            name = param.name
+            if param.is_constexpr or value is None:
+                signature[name], constexprs[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + POINTEE[value.dtype]
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            else:
+                signature[name] = "fp32"
+        for param in self.kernel.params[len(args) :]:
+            if param.name in kwargs or param.is_constexpr:
+                value = kwargs.get(param.name, param.default)
+                signature[param.name], constexprs[param.name] = "constexpr", value
+        launch = f"{self.case}: {self.kernel.fn.__name__}"
+        try:
+            triton.compile(
+                ASTSource(self.kernel, signature=signature, constexprs=constexprs),
+                target=self.target,
+            )
+            self.results.append({"launch": launch, "error": None})
+        except Exception as error:
+            cause = error.__cause__ or error
+            message = f"{type(cause).__name__}: {cause}"[-2000:]
+            self.results.append({"launch": launch, "error": message})
+
+
+def _cases(fp8: torch.dtype):
+    """(name, module, call) for every launcher, at K3's kernel configs."""
+    from k3_triton_kernels import (
+        kda_chunk_state,
+        kda_chunk_terms,
+        kda_decode,
+        latent_moe,
+        mla_decode,
+    )
+    from vllm_k3_plugin.model import reference as ref
+    from vllm_k3_plugin.model.kda_chunk import chunk_terms
+
+    def mla(q_dtype, cache_dtype):
+        def call():
+            q = torch.randn(2, 2, 16, 576).to(q_dtype)
+            cache = torch.zeros(4, 16, 576).to(cache_dtype)
+            table = torch.arange(4, dtype=torch.int32).view(2, 2)
+            lens = torch.tensor([20, 31], dtype=torch.int32)
+            mla_decode.mla_decode(q, cache, table, lens, max_seq_len=31)
+
+        return call
+
+    def moe(fmt):
+        def call():
+            z = torch.randn(3, 256)
+            w13, w2 = torch.randn(8, 256, 256), torch.randn(8, 256, 128)
+            if fmt == "mxfp4":
+                experts, fp8_dtype = latent_moe.mxfp4_experts_from(w13, w2), fp8
+            else:
+                build = {
+                    "fp8": latent_moe.fp8_experts_from,
+                    "fp8-block": latent_moe.fp8_block_experts_from,
+                }[fmt]
+                experts, fp8_dtype = build(w13, w2, fp8), None
+            weights, ids = ref.route(torch.randn(3, 8), torch.zeros(8), 2)
+            latent_moe.latent_moe(z, ids, weights, experts, fp8_dtype=fp8_dtype)
+
+        return call
+
+    def kda_step():
+        heads, dim, channels = 2, 128, 256
+        kda_decode.kda_decode(
+            torch.randn(3, 3 * channels),
+            torch.randn(3 * channels, 4),
+            torch.zeros(5, 3 * channels, 3, dtype=torch.bfloat16),
+            torch.randn(3, channels),
+            torch.randn(channels),
+            torch.randn(heads),
+            torch.rand(3, heads),
+            torch.zeros(5, heads, dim, dim),
+            torch.tensor([0, 2, 4]),
+        )
+
+    def prefill_inputs(chunk_dtype=torch.float32):
+        q, k, v, g = (torch.randn(40, 2, 128) for _ in range(4))
+        return (q.to(chunk_dtype), k.to(chunk_dtype), v, g, torch.rand(40, 2))
+
+    def terms(chunk, dtype):
+        return lambda: kda_chunk_terms.kda_chunk_terms(*prefill_inputs(dtype), chunk)
+
+    def state_pass():
+        kda_chunk_state.kda_state_pass(
+            chunk_terms(*prefill_inputs(), 16), torch.zeros(2, 128, 128)
+        )
+
+    return [
+        ("mla fp8 cache, bf16 q", mla_decode, mla(torch.bfloat16, fp8)),
+        ("mla bf16 cache, bf16 q", mla_decode, mla(torch.bfloat16, torch.bfloat16)),
+        ("mla fp8 cache, fp32 q", mla_decode, mla(torch.float32, fp8)),
+        ("latent moe fp8", latent_moe, moe("fp8")),
+        ("latent moe fp8-block", latent_moe, moe("fp8-block")),
+        ("latent moe mxfp4", latent_moe, moe("mxfp4")),
+        ("kda decode", kda_decode, kda_step),
+        ("kda chunk terms C=16", kda_chunk_terms, terms(16, torch.float32)),
+        ("kda chunk terms C=32 bf16", kda_chunk_terms, terms(32, torch.bfloat16)),
+        ("kda state pass", kda_chunk_state, state_pass),
+    ]
+
+
+def cross_compile(target_name: str) -> list[dict]:
+    from triton.runtime.jit import JITFunction
+
+    target = TARGETS[target_name]
+    fp8 = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
+    results: list[dict] = []
+    launch = JITFunction.__getitem__
+    for case, module, call in _cases(fp8):
+        saved = module.triton_blocker, module.log_path
+        module.triton_blocker = lambda device: None
+        module.log_path = lambda kernel, reason: None
+        JITFunction.__getitem__ = lambda kernel, grid, case=case: (
+            CompileInstead(kernel, case, target, results).compile
+        )
+        try:
+            call()
+        finally:
+            JITFunction.__getitem__ = launch
+            module.triton_blocker, module.log_path = saved
+    return results
+
+
+if __name__ == "__main__":
+    for result in cross_compile(sys.argv[1]):
+        print(json.dumps(result))

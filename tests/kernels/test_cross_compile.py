@@ -1,0 +1,54 @@
+"""Every kernel, as its launcher launches it, compiles for the GPUs it is meant for
+(sm90; gfx942 with e4m3fnuz; gfx950), here without a GPU (``cross_compile.py``).
+
+The interpreter tests check what a kernel computes, not that Triton can build it:
+an FP8 kernel that compiled a dead MXFP4 branch passed them all and could not build
+for any GPU. Each target runs in its own process, without the interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.kernels.cross_compile import TARGETS
+
+LAUNCHES = {
+    f"{case}: {kernel}"
+    for case, kernels in {
+        "mla fp8 cache, bf16 q": ("_mla_decode_partial", "_mla_decode_merge"),
+        "mla bf16 cache, bf16 q": ("_mla_decode_partial", "_mla_decode_merge"),
+        "mla fp8 cache, fp32 q": ("_mla_decode_partial", "_mla_decode_merge"),
+        "latent moe fp8": ("_gate_up_situ", "_down_combine"),
+        "latent moe fp8-block": ("_gate_up_situ", "_down_combine"),
+        "latent moe mxfp4": ("_gate_up_situ", "_down_combine"),
+        "kda decode": ("_kda_decode_step", "_shift_conv_state"),
+        "kda chunk terms C=16": ("_chunk_terms",),
+        "kda chunk terms C=32 bf16": ("_chunk_terms",),
+        "kda state pass": ("_state_pass",),
+    }.items()
+    for kernel in kernels
+}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_every_launch_compiles_for_the_target(target):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.cross_compile", target],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parents[2],
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines()]
+    failed = {r["launch"]: r["error"] for r in results if r["error"]}
+    assert not failed, json.dumps(failed, indent=1)[:4000]
+    # Every launcher reached its kernels (none fell back before launching).
+    assert {r["launch"] for r in results} == LAUNCHES
