@@ -268,6 +268,31 @@ def test_kda_state_is_carried_across_chunks_and_steps(model, vllm_config):
 
 
 @pytest.mark.parametrize("kernels", [False, True])
+def test_a_prefill_taken_in_windows_equals_it_whole(
+    model, kernel_model, vllm_config, kernels
+):
+    """A sequence's prefill runs a window at a time (bounded fp32 intermediates),
+    conv and recurrent state carried between windows: windows of 5 tokens give what
+    one window gives, outputs and both cache states (1e-5)."""
+    layer = (kernel_model if kernels else model).language_model.model.layers[0]
+    layer = layer.self_attn
+    hidden = torch.randn(23, 64, generator=torch.Generator().manual_seed(6))
+    results = []
+    for window in (layer.prefill_window, 5):
+        assert window == 5 or window >= 23
+        _fresh_cache(layer)
+        saved, layer.prefill_window = layer.prefill_window, window
+        try:
+            out = _kda_step(layer, vllm_config, hidden, [23], [1], [False])
+        finally:
+            layer.prefill_window = saved
+        conv, recurrent = layer.kv_cache
+        results.append((out, conv[1].clone(), recurrent[1].clone()))
+    for windowed, whole in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(windowed, whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
 def test_a_steps_batch_is_read_back_once_for_all_kda_layers(
     model, kernel_model, vllm_config, kernels
 ):

@@ -5,10 +5,11 @@ vLLM keeps each request's KDA state in its hybrid cache: a conv state (the last
 the recurrent state ``[heads, K, V]`` in fp32. The GDN metadata backend tells the layer,
 per scheduled sequence, which tokens are its own, which cache slot holds its state and
 whether that state is already initialized (a continued prefill or a decode) or not (a
-new request). This layer reads and writes those slots. Prefill chunks run in PyTorch,
-one sequence at a time: the reference conv and gate, and the delta rule in its
-chunked form (``vllm_k3_plugin.model.kda_chunk``). With ``VLLM_K3_KERNELS=triton`` the
-chunk terms run ``k3_triton_kernels.kda_chunk_terms``, the chunks' state pass
+new request). This layer reads and writes those slots. Prefill chunks run one
+sequence at a time, in windows of bounded memory: the reference conv and gate in
+PyTorch, and the delta rule in its chunked form (``vllm_k3_plugin.model.kda_chunk``).
+With ``VLLM_K3_KERNELS=triton`` the chunk terms run
+``k3_triton_kernels.kda_chunk_terms``, the chunks' state pass
 ``k3_triton_kernels.kda_chunk_state``, and the batch's decode tokens (one new token of
 an initialized sequence) ``k3_triton_kernels.kda_decode`` in one launch; else all
 three stay in PyTorch.
@@ -55,6 +56,7 @@ from vllm_k3_plugin.model.kda_chunk import (
     chunk_terms,
     kda_chunked,
     state_pass,
+    window_tokens_for,
 )
 from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 
@@ -147,6 +149,11 @@ class KdaAttention(nn.Module, MambaBase):
         self.chunk = chunk_size_for(self.lower_bound)
         if self.use_kernels:
             self.chunk = min(self.chunk, CHUNKED_KDA_MAX_CHUNK)
+        # A prefill is taken a window at a time: its fp32 intermediates grow with
+        # the window, and vLLM's memory profile does not run this path.
+        self.prefill_window = window_tokens_for(
+            self.local_heads, self.head_dim, self.head_dim, self.chunk
+        )
         self.run_chunk_terms = kda_chunk_terms if self.use_kernels else chunk_terms
         self.run_state_pass = kda_state_pass if self.use_kernels else state_pass
         width = self.num_heads * self.head_dim
@@ -253,7 +260,6 @@ class KdaAttention(nn.Module, MambaBase):
             self._decode_only(qkv, conv_weight, decay, beta, out, metadata)
             return
         starts, slots, initialized = host_batch(metadata)
-        shaped = (self.local_heads, self.head_dim)
         decode_rows: list[int] = []
         decode_slots: list[int] = []
         for index in range(len(starts) - 1):
@@ -266,35 +272,20 @@ class KdaAttention(nn.Module, MambaBase):
                 decode_rows.append(begin)
                 decode_slots.append(slot)
                 continue
-            conv_in = conv_cache[slot].float() if had_state else None
-            state_in = recurrent_cache[slot] if had_state else None
-            mixed, conv_out = ref.causal_conv_silu(
-                qkv[begin:end].float(), conv_weight.float(), conv_in
-            )
-            # Token-major, so each token's head rows are contiguous for the kernels.
-            q, k, v = (
-                part.reshape(end - begin, *shaped)
-                for part in mixed.contiguous().split(self.local_width, dim=-1)
-            )
-            u = decay[begin:end].float() + self.dt_bias.float()
-            g = ref.kda_gate(
-                u.reshape(end - begin, *shaped), self.A_log, self.lower_bound
-            )
-            o, state_out = kda_chunked(
-                ref.l2_normalize(q) / self.head_dim**0.5,
-                ref.l2_normalize(k),
-                v,
-                g,
-                beta[begin:end],
-                state_in,
-                lower_bound=self.lower_bound,
-                chunk=self.chunk,
-                run_chunk_terms=self.run_chunk_terms,
-                run_state_pass=self.run_state_pass,
-            )
-            out[begin:end] = o
-            conv_cache[slot] = conv_out.to(conv_cache.dtype)
-            recurrent_cache[slot] = state_out.to(recurrent_cache.dtype)
+            conv_state = conv_cache[slot].float() if had_state else None
+            state = recurrent_cache[slot] if had_state else None
+            for lo in range(begin, end, self.prefill_window):
+                hi = min(lo + self.prefill_window, end)
+                out[lo:hi], conv_state, state = self._prefill(
+                    qkv[lo:hi],
+                    decay[lo:hi],
+                    beta[lo:hi],
+                    conv_weight,
+                    conv_state,
+                    state,
+                )
+            conv_cache[slot] = conv_state.to(conv_cache.dtype)
+            recurrent_cache[slot] = state.to(recurrent_cache.dtype)
         if decode_rows:
             rows = torch.tensor(decode_rows, device=qkv.device)
             out[rows] = self._decode(
@@ -304,6 +295,35 @@ class KdaAttention(nn.Module, MambaBase):
                 beta[rows],
                 torch.tensor(decode_slots, device=qkv.device),
             )
+
+    def _prefill(self, qkv, decay, beta, conv_weight, conv_state, state):
+        """A window of one sequence's prefill: ``(o, conv state, state)`` after it,
+        from those before it (``None``: a new sequence)."""
+        tokens = qkv.shape[0]
+        shaped = (tokens, self.local_heads, self.head_dim)
+        mixed, conv_state = ref.causal_conv_silu(
+            qkv.float(), conv_weight.float(), conv_state
+        )
+        # Token-major, so each token's head rows are contiguous for the kernels.
+        q, k, v = (
+            part.reshape(shaped)
+            for part in mixed.contiguous().split(self.local_width, dim=-1)
+        )
+        u = decay.float() + self.dt_bias.float()
+        g = ref.kda_gate(u.reshape(shaped), self.A_log, self.lower_bound)
+        o, state = kda_chunked(
+            ref.l2_normalize(q) / self.head_dim**0.5,
+            ref.l2_normalize(k),
+            v,
+            g,
+            beta,
+            state,
+            lower_bound=self.lower_bound,
+            chunk=self.chunk,
+            run_chunk_terms=self.run_chunk_terms,
+            run_state_pass=self.run_state_pass,
+        )
+        return o, conv_state, state
 
     def _decode_only(self, qkv, conv_weight, decay, beta, out, metadata) -> None:
         """A batch of decodes only (vLLM classes a request's first chunk as a
