@@ -26,6 +26,7 @@ import torch
 from k3_triton_kernels.runtime import (
     chunked_kda_tile_blocker,
     log_path,
+    num_warps,
     triton_blocker,
 )
 from vllm_k3_plugin.model.kda_chunk import ChunkTerms, state_pass
@@ -122,6 +123,7 @@ def kda_state_pass(
         terms.k_to_end, terms.chunk_decay, state, out,
         num_chunks, heads, value_dim,
         CHUNK=chunk, KEY_DIM=key_dim, BLOCK_V=block_v,
+        num_warps=num_warps(nvidia=8, amd=4),  # 4 spill on sm90 (cross-compiled)
     )  # fmt: skip
     return out, state
 

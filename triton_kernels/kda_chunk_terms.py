@@ -17,9 +17,9 @@ two triangular solves); here one program per chunk and head reads its ``q, k, v,
 substitution (``C`` row steps on a ``[C, C]`` tile) and writes the six terms. Dots are
 fp32 (``ieee``), like the reference's.
 
-Supported: ``C``, ``K`` powers of two ≥ 16 (``tl.dot``), ``V`` ≥ 16, inputs in any
-float dtype with their last dim contiguous; otherwise the reference runs and says why
-once.
+Supported: ``C`` = 16 (longer chunks spill registers), ``K`` a power of two ≥ 16
+(``tl.dot``), ``V`` ≥ 16, inputs in any float dtype with their last dim contiguous;
+otherwise the reference runs and says why once.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 from k3_triton_kernels.runtime import (
     chunked_kda_tile_blocker,
     log_path,
+    num_warps,
     triton_blocker,
 )
 from vllm_k3_plugin.model.kda_chunk import ChunkTerms, chunk_terms
@@ -174,6 +175,7 @@ def kda_chunk_terms(q, k, v, g, beta, chunk: int) -> ChunkTerms:
         q.stride(0), q.stride(1), g.stride(0), g.stride(1),
         v.stride(0), v.stride(1), beta.stride(0), beta.stride(1),
         CHUNK=chunk, KEY_DIM=key_dim, BLOCK_V=triton.next_power_of_2(value_dim),
+        num_warps=num_warps(nvidia=8, amd=4),  # 4 spill on sm90 (cross-compiled)
     )  # fmt: skip
     return terms
 

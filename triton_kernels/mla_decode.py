@@ -33,7 +33,12 @@ import math
 
 import torch
 
-from k3_triton_kernels.runtime import interpreted, log_path, triton_blocker
+from k3_triton_kernels.runtime import (
+    interpreted,
+    log_path,
+    num_warps,
+    triton_blocker,
+)
 
 FP8_DTYPES = tuple(
     d
@@ -380,6 +385,8 @@ def mla_decode(
             BLOCK_N=block_n,
             BF16_DOTS=bf16_dots(q, cache),
             INTERPRETED=interpreted(),
+            # Cross-compiled: 4 warps spill on sm90, 8 spill on gfx950.
+            num_warps=num_warps(nvidia=8, amd=4),
         )
         _mla_decode_merge[(batch * rows, heads)](
             mid_out,

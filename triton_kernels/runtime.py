@@ -32,9 +32,21 @@ def triton_blocker(device: torch.device) -> str | None:
     return None
 
 
-# The chunked KDA kernels hold C x C and C x K tiles in registers: at 64 tokens a
-# chunk they spill (sm90, gfx942), so the model runs them on chunks of at most 32.
-CHUNKED_KDA_MAX_CHUNK = 32
+# The chunked KDA kernels hold C x C and C x K tiles in registers: at 32 tokens a
+# chunk they spill on sm90 (8 KB of stack at 4 warps, 640 B at 8), so the model runs
+# them on chunks of at most 16.
+CHUNKED_KDA_MAX_CHUNK = 16
+
+
+def on_rocm() -> bool:
+    """The launchers' target is an AMD GPU (a ROCm build of PyTorch)."""
+    return torch.version.hip is not None
+
+
+def num_warps(*, nvidia: int, amd: int) -> int:
+    """A launch's warps for the platform: the register budgets differ (sm90: 255
+    registers a thread; CDNA: up to 512 VGPRs a lane at 4 wavefronts of 64)."""
+    return amd if on_rocm() else nvidia
 
 
 def chunked_kda_tile_blocker(chunk: int, key_dim: int, value_dim: int) -> str | None:

@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -57,6 +61,7 @@ class CompileInstead:
         )
 
     def compile(self, *args, **kwargs) -> None:
+        options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
         signature, constexprs = {}, {}
         for param, value in zip(self.kernel.params, args):
             name = param.name
@@ -76,15 +81,41 @@ class CompileInstead:
                 signature[param.name], constexprs[param.name] = "constexpr", value
         launch = f"{self.case}: {self.kernel.fn.__name__}"
         try:
-            triton.compile(
+            compiled = triton.compile(
                 ASTSource(self.kernel, signature=signature, constexprs=constexprs),
                 target=self.target,
+                options=options,
             )
-            self.results.append({"launch": launch, "error": None})
+            self.results.append(
+                {"launch": launch, "error": None, "spilled": spilled_bytes(compiled)}
+            )
         except Exception as error:
             cause = error.__cause__ or error
             message = f"{type(cause).__name__}: {cause}"[-2000:]
-            self.results.append({"launch": launch, "error": message})
+            self.results.append({"launch": launch, "error": message, "spilled": None})
+
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def spilled_bytes(compiled) -> int | None:
+    """Bytes of registers spilled to memory per thread (NVIDIA: the cubin's stack
+    frame, by the cuobjdump Triton ships; AMD: VGPR spills x 4), ``None`` if it
+    cannot be read."""
+    if "cubin" in compiled.asm:
+        cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            report = subprocess.run(
+                [str(cuobjdump), "--dump-resource-usage", cubin.name],
+                capture_output=True,
+                text=True,
+            ).stdout
+        found = re.search(r"STACK:(\d+)", report)
+        return int(found.group(1)) if found else None
+    found = re.search(r"\.vgpr_spill_count:\s*(\d+)", compiled.asm.get("amdgcn", ""))
+    return 4 * int(found.group(1)) if found else None
 
 
 def _cases(fp8: torch.dtype):
@@ -160,8 +191,8 @@ def _cases(fp8: torch.dtype):
         ("latent moe fp8-block", latent_moe, moe("fp8-block")),
         ("latent moe mxfp4", latent_moe, moe("mxfp4")),
         ("kda decode", kda_decode, kda_step),
-        ("kda chunk terms C=16", kda_chunk_terms, terms(16, torch.float32)),
-        ("kda chunk terms C=32 bf16", kda_chunk_terms, terms(32, torch.bfloat16)),
+        ("kda chunk terms", kda_chunk_terms, terms(16, torch.float32)),
+        ("kda chunk terms bf16", kda_chunk_terms, terms(16, torch.bfloat16)),
         ("kda state pass", kda_chunk_state, state_pass),
     ]
 
@@ -169,6 +200,9 @@ def _cases(fp8: torch.dtype):
 def cross_compile(target_name: str) -> list[dict]:
     from triton.runtime.jit import JITFunction
 
+    from k3_triton_kernels import runtime
+
+    runtime.on_rocm = lambda: target_name.startswith("gfx")
     target = TARGETS[target_name]
     fp8 = torch.float8_e4m3fnuz if target_name == "gfx942" else torch.float8_e4m3fn
     results: list[dict] = []

@@ -20,7 +20,7 @@ from k3_triton_kernels.kda_chunk_terms import (
 )
 from tests.kernels.placement import on_device
 from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.kda_chunk import chunk_size_for, kda_chunked
+from vllm_k3_plugin.model.kda_chunk import kda_chunked
 
 
 def _inputs(tokens, heads, key_dim, value_dim, *, lower_bound=-5.0, saturate=False):
@@ -62,13 +62,14 @@ def test_kernel_matches_the_pytorch_terms(tokens, heads, key_dim, value_dim):
     _assert_terms_close(got, kda_chunk_terms_reference(*inputs, chunk=16))
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, -2.5])
-def test_gates_at_their_lower_bound_at_every_chunk_length(lower_bound):
-    """Chunks of 16 and 32 tokens: ``|G|`` reaches 80 at the chunk end."""
-    chunk = chunk_size_for(lower_bound)
+@pytest.mark.parametrize("lower_bound", [-5.0, -2.5, -1.0])
+def test_gates_at_their_lower_bound(lower_bound):
+    """Every gate at its bound: ``|G|`` reaches ``16 · |lower_bound|`` at the chunk
+    end (80 for K3's -5). The kernels take 16-token chunks whatever the bound allows
+    (a chunk shorter than the bound's is exact too)."""
     inputs = _inputs(150, 2, 32, 32, lower_bound=lower_bound, saturate=True)
-    got = kda_chunk_terms(*inputs, chunk=chunk)
-    expected = kda_chunk_terms_reference(*inputs, chunk=chunk)
+    got = kda_chunk_terms(*inputs, chunk=16)
+    expected = kda_chunk_terms_reference(*inputs, chunk=16)
     assert all(torch.isfinite(term).all() for term in got)
     _assert_terms_close(got, expected)
 
@@ -100,16 +101,16 @@ def test_prefill_on_both_kernels_matches_the_per_token_definition():
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
-def test_a_gate_that_allows_long_chunks_runs_the_kernels_on_chunks_of_32():
-    """A lower bound of -1 allows 64-token chunks; the kernels take 32 (any chunk
-    up to the bound's is exact), and match the per-token definition."""
+def test_a_gate_that_allows_long_chunks_runs_the_kernels_on_chunks_of_16():
+    """A lower bound of -1 allows 64-token chunks; the kernels take 16 and match
+    the per-token definition."""
     inputs = _inputs(100, 2, 32, 32, lower_bound=-1.0, saturate=True)
     state = on_device(torch.randn(2, 32, 32))[0]
     got, got_state = kda_chunked(
         *inputs,
         state,
         lower_bound=-1.0,
-        chunk=32,
+        chunk=16,
         run_chunk_terms=kda_chunk_terms,
         run_state_pass=kda_state_pass,
     )
@@ -126,7 +127,7 @@ def test_a_gate_that_allows_long_chunks_runs_the_kernels_on_chunks_of_32():
     [
         (24, 16, "key head dim 24 is not a power of 2"),
         (16, 8, "chunk length 8"),
-        (16, 64, "chunk length 64 is over 32"),
+        (16, 32, "chunk length 32 is over 16"),
     ],
 )
 def test_shapes_the_kernel_does_not_tile_run_the_reference_and_say_why(
