@@ -28,24 +28,13 @@ from pathlib import Path
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 TARGETS = {
     "sm90": GPUTarget("cuda", 90, 32),
     "gfx942": GPUTarget("hip", "gfx942", 64),
     "gfx950": GPUTarget("hip", "gfx950", 64),
-}
-POINTEE = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float8_e4m3fn: "fp8e4nv",
-    torch.float8_e4m3fnuz: "fp8e4b8",
-    torch.uint8: "u8",
-    torch.int8: "i8",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.bool: "i1",
 }
 
 
@@ -61,30 +50,23 @@ class CompileInstead:
         )
 
     def compile(self, *args, **kwargs) -> None:
-        options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
-        signature, constexprs = {}, {}
-        for param, value in zip(self.kernel.params, args):
-            name = param.name
-            if param.is_constexpr or value is None:
-                signature[name], constexprs[name] = "constexpr", value
-            elif isinstance(value, torch.Tensor):
-                signature[name] = "*" + POINTEE[value.dtype]
-            elif isinstance(value, bool):
-                signature[name] = "i1"
-            elif isinstance(value, int):
-                signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            else:
-                signature[name] = "fp32"
-        for param in self.kernel.params[len(args) :]:
-            if param.name in kwargs or param.is_constexpr:
-                value = kwargs.get(param.name, param.default)
-                signature[param.name], constexprs[param.name] = "constexpr", value
+        # Bind and specialize the arguments as Triton's launcher does (an int
+        # argument equal to 1 becomes a constant, pointers and ints get alignment
+        # hints), so the variant compiled is the one a launch would build.
+        backend = make_backend(self.target)
+        binder = create_function_from_signature(
+            self.kernel.signature, self.kernel.params, backend
+        )
+        bound, specialization, launch_options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self.kernel._pack_args(
+            backend, kwargs, bound, specialization, launch_options
+        )
         launch = f"{self.case}: {self.kernel.fn.__name__}"
         try:
             compiled = triton.compile(
-                ASTSource(self.kernel, signature=signature, constexprs=constexprs),
+                ASTSource(self.kernel, signature, constexprs, attrs),
                 target=self.target,
-                options=options,
+                options=options.__dict__,
             )
             self.results.append(
                 {"launch": launch, "error": None, "spilled": spilled_bytes(compiled)}
@@ -93,9 +75,6 @@ class CompileInstead:
             cause = error.__cause__ or error
             message = f"{type(cause).__name__}: {cause}"[-2000:]
             self.results.append({"launch": launch, "error": message, "spilled": None})
-
-
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
 def spilled_bytes(compiled) -> int | None:
