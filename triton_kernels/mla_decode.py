@@ -29,6 +29,7 @@ as exact fp32 values, which is what the tensor cores compute.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -298,6 +299,26 @@ def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | 
     return None
 
 
+MIN_SPLIT_TOKENS = 256
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(longest: int, programs_per_split: int, device) -> int:
+    """KV splits of a decode batch: enough programs to fill the GPU's
+    multiprocessors twice (a batch of many rows and heads needs few splits, one long
+    sequence many), each split at least ``MIN_SPLIT_TOKENS`` of the longest
+    sequence. Off a GPU, up to 16."""
+    most = max(1, math.ceil(longest / MIN_SPLIT_TOKENS))
+    if device.type != "cuda":
+        return min(16, most)
+    wanted = math.ceil(2 * _multiprocessors(device) / max(1, programs_per_split))
+    return max(1, min(most, wanted))
+
+
 def bf16_dots(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether the dots run on bf16 operands: every query and cache value is exact
     in bf16."""
@@ -345,7 +366,9 @@ def mla_decode(
     else:
         longest = int(seq_lens.max()) if batch else 0
     if num_splits is None:
-        num_splits = max(1, min(16, math.ceil(longest / 256)))
+        num_splits = default_num_splits(
+            longest, batch * rows * triton.cdiv(heads, block_h), q.device
+        )
     # No split shorter than one tile.
     num_splits = max(1, min(num_splits, math.ceil(max(longest, 1) / block_n)))
     device = q.device
