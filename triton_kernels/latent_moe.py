@@ -483,9 +483,10 @@ def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
     """fp32 expert weights rounded to MXFP4, in the checkpoint's packed layout."""
 
     def pack(w):
-        experts, rows, cols = w.shape
-        packed, scale = mxfp4_encode(w.reshape(-1, cols))
-        return packed.reshape(experts, rows, -1), scale.reshape(experts, rows, -1)
+        # One expert at a time: the encoder's temporaries are several times the
+        # weights' size.
+        packed, scale = zip(*(mxfp4_encode(expert) for expert in w))
+        return torch.stack(packed), torch.stack(scale)
 
     return ExpertWeights("mxfp4", *pack(w13), *pack(w2))
 

@@ -80,7 +80,8 @@ def mxfp4_encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponent = torch.ceil(torch.log2(peak / 6.0)).clamp(-127, 127)
     scaled = blocks / torch.pow(2.0, exponent)[..., None]
     magnitudes = torch.tensor(E2M1_VALUES, device=weight.device)
-    nearest = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
+    # The nearest e2m1 magnitude, a tie to the smaller one.
+    nearest = torch.bucketize(scaled.abs(), (magnitudes[1:] + magnitudes[:-1]) / 2)
     nibbles = nearest + 8 * (scaled < 0).long() * (nearest > 0).long()
     nibbles = nibbles.reshape(rows, cols).to(torch.uint8)
     packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
