@@ -47,9 +47,12 @@ class _Watch(TorchDispatchMode):
         if name in HOST_READ_OPS and not sized_repeat:
             raise HostRead(f"{name} reads device values on the host")
         if name in ("aten.index", "aten.index_put", "aten.index_put_") and any(
-            index is not None and index.dtype == torch.bool for index in args[1]
+            index is not None and index.dtype in (torch.bool, torch.uint8)
+            for index in args[1]
         ):
             raise HostRead("a boolean mask index reads device values on the host")
+        if name == "aten.copy_" and args[0].device.type == "cpu" != args[1].device.type:
+            raise HostRead(f"a copy from {args[1].device} into a CPU tensor")
         if name == "aten._to_copy" and kwargs.get("device") is not None:
             source, target = args[0].device, torch.device(kwargs["device"])
             if target.type == "cpu" and source.type != "cpu":

@@ -20,6 +20,7 @@ READS = {
     "bincount": lambda: torch.bincount(T.long()),
     "boolean mask read": lambda: T[T > 2],
     "boolean mask write": lambda: T.clone().__setitem__(T > 2, 0.0),
+    "uint8 mask read": lambda: T[(T > 2).to(torch.uint8)],
     "repeat_interleave by counts": lambda: T.repeat_interleave(T.long()),
     "equal": lambda: torch.equal(T, T),
     "allclose": lambda: torch.allclose(T, T),
