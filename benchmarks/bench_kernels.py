@@ -140,7 +140,12 @@ def bench_kda(device, smoke, warmup, repeats):
                 "kernel": "kda_decode",
                 "shape": f"B={batch} H={heads} K=V={dim}",
                 "s": seconds,
-                "bytes": 2 * state + batch * 3 * channels * (2 + 2 * (conv - 1) * 2),
+                # the state read and written; per token its bf16 qkv and decay,
+                # the conv state read and written; the bf16 conv weight once
+                "bytes": 2 * state
+                + batch * 3 * channels * (2 + 2 * (conv - 1) * 2)
+                + batch * channels * 2
+                + 3 * channels * conv * 2,
                 "flops": batch * heads * 4 * 2 * dim * dim,
                 "vllm_s": reference_s,
                 "vllm_note": None,
@@ -492,7 +497,8 @@ def bench_moe(device, smoke, warmup, repeats):
             )
             used = len(ids.unique())
             per_weight = {"fp8": 1, "fp8-block": 1 + 4 / 128**2}.get(fmt, 0.5 + 1 / 32)
-            moved = used * 3 * inner * latent * per_weight + tokens * latent * (1 + 4)
+            # each used expert's weights once; the fp32 latent read and written
+            moved = used * 3 * inner * latent * per_weight + tokens * latent * (4 + 4)
             flops = 2 * tokens * top_k * (latent * 2 * inner + inner * latent)
             row = {
                 "kernel": f"latent_moe[{fmt}]",

@@ -224,3 +224,18 @@ def test_the_bf16_weight_rounding_bound_is_reached():
     )
     error = (out - ref_out).abs().max() / kv_scale  # the largest value is kv_scale
     assert 2**-9 < error <= 2**-8
+
+
+def test_the_default_split_count_fills_the_gpu(monkeypatch):
+    """On a GPU (132 multiprocessors, an H200's): one long sequence takes enough
+    splits for two programs a multiprocessor; a large batch few; no split under
+    256 tokens. Off a GPU, at most 16."""
+    monkeypatch.setattr(kernel, "_multiprocessors", lambda device: 132)
+    gpu = torch.device("cuda")
+    assert kernel.default_num_splits(131072, 1, gpu) == 264
+    assert kernel.default_num_splits(131072, 128, gpu) == 3
+    assert kernel.default_num_splits(600, 1, gpu) == 3  # 256-token splits at least
+    assert kernel.default_num_splits(100, 1, gpu) == 1
+    cpu = torch.device("cpu")
+    assert kernel.default_num_splits(131072, 1, cpu) == 16
+    assert kernel.default_num_splits(300, 1, cpu) == 2
