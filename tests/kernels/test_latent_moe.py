@@ -68,6 +68,49 @@ def test_kernel_matches_reference(fmt, tokens, experts, top_k):
         assert len(ids.unique()) <= tokens * top_k < experts
 
 
+@pytest.mark.parametrize("fmt", list(BUILDERS))
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), [(5, 8, 2), (33, 16, 4), (4, 896, 16)]
+)
+def test_each_stage_matches_the_reference_on_the_same_fp8_values(
+    fmt, tokens, experts, top_k, monkeypatch
+):
+    """Each GEMM against the reference on the very FP8 values the kernel had, so no
+    rounding boundary can hide a wrong token (tolerance 1e-4 of the largest value:
+    fp32 summation order): the gate/up GEMM's SiTU output, before it is requantized,
+    for every routed pair; and the down GEMM with the routing weights, from the
+    kernel's own requantized intermediate."""
+    z, ids, weights, w13, w2 = _case(tokens, experts, top_k)
+    packed = BUILDERS[fmt](w13, w2)
+    quantized, quantize = [], moe.quantize_per_row
+
+    def recording(x, dtype=moe.FP8):
+        values, scale = quantize(x, dtype)
+        quantized.append((x.clone(), values, scale))
+        return values, scale
+
+    monkeypatch.setattr(moe, "quantize_per_row", recording)
+    got = moe.latent_moe(z, ids, weights, packed)
+    (_, z_q, z_scale), (h, h_q, h_scale) = quantized  # z's, then the intermediate's
+    rows, block_expert, _ = moe.sort_by_expert(ids, experts, block_m=16)
+    pairs = rows[rows >= 0]
+    expert_of_row = block_expert.repeat_interleave(16)[rows >= 0]
+    token = pairs // top_k
+    w13_deq, w2_deq = moe.dequantize(packed, "w13"), moe.dequantize(packed, "w2")
+    inner = w13.shape[1] // 2
+    z_deq = z_q.float() * z_scale[:, None]
+    gate_up = torch.einsum("pl,pnl->pn", z_deq[token], w13_deq[expert_of_row])
+    want_h = situ_glu(gate_up[:, :inner], gate_up[:, inner:])
+    got_h = h[rows >= 0]
+    assert (got_h - want_h).abs().max() <= 1e-4 * want_h.abs().max()
+    h_deq = (h_q.float() * h_scale[:, None])[rows >= 0]
+    down = torch.einsum("pi,pli->pl", h_deq, w2_deq[expert_of_row])
+    want = torch.zeros_like(got).index_add_(
+        0, token, weights.reshape(-1)[pairs, None].float() * down
+    )
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 FNUZ = torch.float8_e4m3fnuz
 
 
