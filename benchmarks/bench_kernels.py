@@ -102,7 +102,6 @@ def bench_kda(device, smoke, warmup, repeats):
 
     from k3_triton_kernels import kda_decode as kda
 
-    rows = []
     cuda = device.type == "cuda"
     for batch, heads, dim in kda_cases(smoke):
         channels, conv = heads * dim, 4
@@ -135,7 +134,7 @@ def bench_kda(device, smoke, warmup, repeats):
             cuda=cuda,
         )
         state = batch * heads * dim * dim * 4
-        rows.append(
+        yield (
             {
                 "kernel": "kda_decode",
                 "shape": f"B={batch} H={heads} K=V={dim}",
@@ -152,7 +151,6 @@ def bench_kda(device, smoke, warmup, repeats):
                 "baseline": "our PyTorch reference",
             }
         )
-    return rows
 
 
 CHUNK_KDA_MODULES = (
@@ -214,7 +212,6 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
     from vllm_k3_plugin.model import reference as ref
     from vllm_k3_plugin.model.kda_chunk import chunk_size_for, kda_chunked
 
-    rows = []
     cuda = device.type == "cuda"
     for tokens, heads, dim in kda_prefill_cases(smoke):
         generator = torch.Generator().manual_seed(0)
@@ -250,12 +247,12 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
             *inputs, state, warmup, repeats, cuda
         )
         row["baseline"] = "vLLM chunk_kda"
-        rows.append(row)
+        yield (row)
         chunk = chunk_size_for(-5.0)
         # fp32 in: q, k, g, v, beta; out: four [T, H, K] terms, the [C, C] readout
         # per chunk (C per token) and the decay (K per chunk)
         terms_bytes = tokens * heads * 4 * (8 * dim + 1 + chunk + dim // chunk)
-        rows.append(
+        yield (
             {
                 "kernel": "kda_chunk_terms",
                 "shape": shape,
@@ -292,7 +289,7 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
             repeats=1,
             cuda=cuda,
         )
-        rows.append(
+        yield (
             {
                 "kernel": "kda_prefill[PyTorch chunked]",
                 "shape": shape,
@@ -304,7 +301,6 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
                 "baseline": "our per-token PyTorch definition",
             }
         )
-    return rows
 
 
 def bench_attn_res_mix(device, smoke, warmup, repeats):
@@ -312,7 +308,6 @@ def bench_attn_res_mix(device, smoke, warmup, repeats):
 
     from vllm_k3_plugin.model.reference import attn_res_mix
 
-    rows = []
     cuda = device.type == "cuda"
     for tokens, sources, hidden in mix_cases(smoke):
         bank = [
@@ -329,7 +324,7 @@ def bench_attn_res_mix(device, smoke, warmup, repeats):
             repeats=repeats,
             cuda=cuda,
         )
-        rows.append(
+        yield (
             {
                 "kernel": "attn_res_mix (PyTorch)",
                 "shape": f"T={tokens} sources={sources} D={hidden}",
@@ -340,7 +335,6 @@ def bench_attn_res_mix(device, smoke, warmup, repeats):
                 "vllm_note": "decision input: the one-pass bytes over PyTorch's time",
             }
         )
-    return rows
 
 
 def bench_mla(device, smoke, warmup, repeats):
@@ -348,7 +342,6 @@ def bench_mla(device, smoke, warmup, repeats):
 
     from k3_triton_kernels import mla_decode as k
 
-    rows = []
     heads, dv, dpe, page = 16, 512, 64, 64
     for batch, context, heads in mla_cases(smoke):
         pages_per_seq = math.ceil(context / page)
@@ -390,8 +383,7 @@ def bench_mla(device, smoke, warmup, repeats):
             row, _vllm_mla(q, cache, table, lens, warmup, repeats, cuda), ours_out
         )
         row["baseline"] = "vLLM decode_attention_fwd"
-        rows.append(row)
-    return rows
+        yield (row)
 
 
 def _vllm_mla(q, cache, table, lens, warmup, repeats, cuda):
@@ -469,7 +461,6 @@ def bench_moe(device, smoke, warmup, repeats):
     from k3_triton_kernels import latent_moe as moe
     from vllm_k3_plugin.model.reference import route
 
-    rows = []
     for tokens, experts, top_k, latent, inner in moe_cases(smoke):
         torch.manual_seed(0)
         z = torch.randn(tokens, latent, device=device)
@@ -516,8 +507,7 @@ def bench_moe(device, smoke, warmup, repeats):
                 row["baseline"] = "vLLM fused_moe_kernel GEMMs alone"
             else:
                 row["vllm_s"], row["vllm_note"] = None, "no vLLM W4A8 MXFP4 baseline"
-            rows.append(row)
-    return rows
+            yield (row)
 
 
 def main(argv=None) -> int:
@@ -552,23 +542,26 @@ def main(argv=None) -> int:
     rows, failed = [], []
     sections = (bench_mla, bench_moe, bench_kda, bench_kda_prefill, bench_attn_res_mix)
     for section in sections:
-        # A section that fails is reported and the others still run; each row is
-        # printed and saved as soon as its section is done.
+        # Each row is printed and saved as it is measured; a section that fails is
+        # reported, keeps the rows it made, and the others still run.
         try:
-            done = section(device, args.smoke, warmup, repeats)
+            for row in section(device, args.smoke, warmup, repeats):
+                print(_table_line(row, peak), flush=True)
+                rows.append(row)
+                _save(args.json, name, rows, failed)
         except Exception as error:
             failed.append(f"{section.__name__}: {type(error).__name__}: {error}")
             print(f"| {section.__name__} failed: {failed[-1][:300]} |", flush=True)
-            done = []
-        for row in done:
-            print(_table_line(row, peak), flush=True)
-        rows += done
-        if args.json:
-            with open(args.json, "w") as out:
-                json.dump(
-                    {"device": name, "rows": rows, "failed": failed}, out, indent=2
-                )
+            _save(args.json, name, rows, failed)
     return 1 if failed else 0
+
+
+def _save(path, device_name, rows, failed) -> None:
+    if path:
+        with open(path, "w") as out:
+            json.dump(
+                {"device": device_name, "rows": rows, "failed": failed}, out, indent=2
+            )
 
 
 def _table_line(r: dict, peak) -> str:

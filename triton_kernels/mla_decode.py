@@ -300,6 +300,9 @@ def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | 
 
 
 MIN_SPLIT_TOKENS = 256
+# A program's fixed work (setup, epilogue, its share of the merge) counted as tokens
+# read, so that near-ties in the split count go to fewer splits.
+SPLIT_OVERHEAD_TOKENS = 256
 
 
 @functools.cache
@@ -308,15 +311,26 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def default_num_splits(longest: int, programs_per_split: int, device) -> int:
-    """KV splits of a decode batch: enough programs to fill the GPU's
-    multiprocessors twice (a batch of many rows and heads needs few splits, one long
-    sequence many), each split at least ``MIN_SPLIT_TOKENS`` of the longest
-    sequence. Off a GPU, up to 16."""
+    """KV splits of a decode batch on a GPU: the count whose programs take the
+    fewest waves of the multiprocessors times the work of each (the tokens it reads
+    and a fixed overhead; a wave that is mostly empty costs a whole one);
+    at most one split per multiprocessor (the merge reads the splits one after
+    another), each split at least ``MIN_SPLIT_TOKENS`` of the longest sequence. Off
+    a GPU, up to 16.
+
+    Measured on an H200 (16 heads, 128k tokens): one sequence, 264 splits 240 µs,
+    128 splits 183 µs; 32 sequences, 9 splits 5751 µs, 4 splits 4316 µs."""
     most = max(1, math.ceil(longest / MIN_SPLIT_TOKENS))
     if device.type != "cuda":
         return min(16, most)
-    wanted = math.ceil(2 * _multiprocessors(device) / max(1, programs_per_split))
-    return max(1, min(most, wanted))
+    sms = _multiprocessors(device)
+    programs = max(1, programs_per_split)
+
+    def cost(splits: int) -> int:
+        waves = math.ceil(programs * splits / sms)
+        return waves * (math.ceil(longest / splits) + SPLIT_OVERHEAD_TOKENS)
+
+    return min(range(1, min(most, sms) + 1), key=lambda splits: (cost(splits), splits))
 
 
 def bf16_dots(q: torch.Tensor, cache: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from k3_triton_kernels import latent_moe as moe
 from tests.host_reads import HostRead, no_host_reads
-from tests.kernels.placement import on_device
+from tests.kernels.placement import FNUZ_RUNS_HERE, on_device
 from vllm_k3_plugin.model.reference import route, situ_glu
 
 
@@ -114,6 +114,7 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
 FNUZ = torch.float8_e4m3fnuz
 
 
+@pytest.mark.skipif(not FNUZ_RUNS_HERE, reason="e4m3fnuz runs on gfx94x only")
 @pytest.mark.parametrize("fmt", list(BUILDERS))
 def test_fnuz_activations_and_weights_for_gfx94x(fmt):
     """gfx94x's e4m3fnuz (max 240): FP8 weights in fnuz set the activations' dtype;
@@ -247,7 +248,8 @@ def test_gpu_benchmark_script_runs_its_smoke_shapes(tmp_path):
         text=True,
         timeout=600,
     )
-    assert run.returncode == 0, run.stderr[-2000:]
+    failures = [line for line in run.stdout.splitlines() if "failed" in line]
+    assert run.returncode == 0, (failures, run.stderr[-2000:])
     assert run.stdout.count("| mla_decode |") == 1
     assert run.stdout.count("| latent_moe[") == 3
     assert run.stdout.count("| kda_decode |") == 1

@@ -1,0 +1,503 @@
+"""Latent fused MoE for Kimi-K3 (FP8 activations; FP8 or MXFP4 expert weights): the
+Triton kernels, their launcher, and the PyTorch reference.
+
+On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weights``
+``[T, top_k]``:
+
+1. activations are quantized to FP8 per token (``scale = max|z_t| / fp8_max``);
+2. the (token, slot) pairs are sorted by expert and padded per ``BLOCK_M`` block;
+3. kernel 1, per block: the gate/up GEMM against ``w13`` ``[E, 2I, L]``, dequantized,
+   SiTU-GLU -> ``h`` ``[pairs, I]``;
+4. ``h`` is requantized to FP8 per row;
+5. kernel 2, per block: the down GEMM against ``w2`` ``[E, L, I]``, dequantized, times
+   the routing weight, added into the token's output row.
+
+FP8 is OCP ``float8_e4m3fn`` (MI355X, CUDA) or ``float8_e4m3fnuz`` (gfx94x, max 240):
+FP8 weights carry their own dtype and the activations follow it; for MXFP4 weights the
+caller names the activation dtype (``fp8_dtype``, the platform's FP8).
+
+Weight formats: ``"fp8"`` (e4m3 values with one scale per output channel),
+``"fp8-block"`` (e4m3 values with one scale per 128 x 128 block) and ``"mxfp4"``
+(the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per 32 inputs,
+decoded in registers: every e2m1 value is exact in e4m3, so this is W4A8).
+
+The kernels multiply FP8 activations by FP8 weights (MXFP4 values converted to e4m3
+in registers, exactly) with ``tl.dot`` into fp32 and apply the weight scale per K
+tile; every FP8 x FP8 product is exact in fp32, so they differ from the reference
+only by summation order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from k3_triton_kernels.runtime import log_path, triton_blocker
+from vllm_k3_plugin.model.reference import mxfp4_decode, mxfp4_encode, situ_glu
+
+FP8 = torch.float8_e4m3fn
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+MXFP4_BLOCK = 32
+SCALE_BLOCK = 128
+
+
+class ExpertWeights(NamedTuple):
+    """``fmt`` "fp8": ``w13`` ``[E, 2I, L]`` fp8 and ``w13_scale`` ``[E, 2I]`` fp32
+    (same for ``w2`` ``[E, L, I]``). "fp8-block": ``w13_scale`` ``[E, ⌈2I/128⌉,
+    ⌈L/128⌉]`` fp32, one scale per 128 x 128 block. "mxfp4": ``w13`` ``[E, 2I, L/2]``
+    uint8 and ``w13_scale`` ``[E, 2I, L/32]`` uint8."""
+
+    fmt: str
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+
+
+def quantize_per_row(
+    x: torch.Tensor, dtype: torch.dtype = FP8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 with one scale per row (the last dim): ``(values, scale [...])``."""
+    fp8_max = float(torch.finfo(dtype).max)
+    peak = x.float().abs().amax(dim=-1).clamp_min(1e-12)
+    scale = peak / fp8_max
+    return (x.float() / scale[..., None]).clamp(-fp8_max, fp8_max).to(dtype), scale
+
+
+def activation_dtype(
+    experts: ExpertWeights, fp8_dtype: torch.dtype | None = None
+) -> torch.dtype:
+    """The FP8 dtype of the activations: FP8 weights' own dtype, else ``fp8_dtype``
+    (default OCP e4m3fn)."""
+    if experts.fmt == "mxfp4":
+        dtype = FP8 if fp8_dtype is None else fp8_dtype
+    else:
+        dtype = experts.w13.dtype
+        if fp8_dtype is not None and fp8_dtype != dtype:
+            raise ValueError(
+                f"activations in {fp8_dtype} against {dtype} weights: FP8 weights "
+                "and activations must share one FP8 dtype"
+            )
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{dtype} is not an FP8 dtype the MoE reads ({FP8_DTYPES})")
+    return dtype
+
+
+def dequantize(weights: ExpertWeights, which: str) -> torch.Tensor:
+    """One projection of every expert in fp32."""
+    values = getattr(weights, which)
+    scale = getattr(weights, which + "_scale")
+    if weights.fmt == "fp8":
+        return values.float() * scale.float()[..., None]
+    if weights.fmt == "fp8-block":
+        _, rows, cols = values.shape
+        expanded = scale.float().repeat_interleave(SCALE_BLOCK, 1)[:, :rows]
+        return values.float() * expanded.repeat_interleave(SCALE_BLOCK, 2)[..., :cols]
+    experts, rows, half = values.shape
+    flat = mxfp4_decode(values.reshape(-1, half), scale.reshape(experts * rows, -1))
+    return flat.reshape(experts, rows, half * 2)
+
+
+# -- PyTorch reference ----------------------------------------------------------------
+
+
+def latent_moe_reference(
+    z: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: ExpertWeights,
+    *,
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+    fp8_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    tokens, latent = z.shape
+    dtype = activation_dtype(experts, fp8_dtype)
+    w13 = dequantize(experts, "w13")
+    w2 = dequantize(experts, "w2")
+    inner = w13.shape[1] // 2
+    z_q, z_scale = quantize_per_row(z, dtype)
+    z_deq = z_q.float() * z_scale[:, None]
+    out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
+    for expert in ids.unique().tolist():
+        rows, slots = (ids == expert).nonzero(as_tuple=True)
+        gate_up = z_deq[rows] @ w13[expert].T
+        h = situ_glu(gate_up[:, :inner], gate_up[:, inner:], beta, linear_beta)
+        h_q, h_scale = quantize_per_row(h, dtype)
+        down = (h_q.float() * h_scale[:, None]) @ w2[expert].T
+        out.index_add_(0, rows, weights[rows, slots, None].float() * down)
+    return out
+
+
+# -- routing bookkeeping --------------------------------------------------------------
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+    """``(rows, block_expert, used_rows)``: the (token, slot) pairs grouped by expert,
+    each group padded to a multiple of ``block_m``. ``rows`` holds each padded row's
+    pair index or -1, ``block_expert`` each block's expert.
+
+    Tensor ops only, nothing read back from the device (no sync; a CUDA graph can
+    hold it): ``rows`` has a capacity fixed by the shapes (each used expert's group
+    pads by at most ``block_m - 1`` rows), ``used_rows`` (one element, on the
+    device) says how much of it is used; the blocks past it hold no pair and the
+    kernels skip them."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    capacity = -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
+    capacity *= block_m
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+    padded = ((counts + block_m - 1) // block_m) * block_m
+    ends = torch.cumsum(padded, 0)
+    sorted_starts = torch.cumsum(counts, 0) - counts
+    experts_in_order = flat[order]
+    rank_in_expert = (
+        torch.arange(pairs, device=ids.device) - sorted_starts[experts_in_order]
+    )
+    rows = torch.full((capacity,), -1, dtype=torch.int64, device=ids.device)
+    rows[(ends - padded)[experts_in_order] + rank_in_expert] = order
+    block_first_rows = torch.arange(0, capacity, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, block_first_rows, right=True)
+    return rows, block_expert.clamp_(max=num_experts - 1), ends[-1:]
+
+
+# -- Triton kernels -------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+FORMATS = {"fp8": 0, "mxfp4": 1, "fp8-block": 2}
+
+if triton is not None:
+
+    @triton.jit
+    def _load_weight_tile(
+        w_ptr,
+        s_ptr,
+        expert,
+        n,
+        k,
+        k0,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        n_mask,
+        k_mask,
+        FP8_TYPE: tl.constexpr,
+        FMT: tl.constexpr,
+    ):
+        """One expert's ``[BLOCK_N, BLOCK_K]`` tile as FP8 values and the scale of
+        each output row for this K tile (``BLOCK_K`` divides 32, so an MXFP4 or a
+        128-block scale is constant over the tile)."""
+        # One branch per format, one return after them: Triton compiles the code
+        # after an early return in a constexpr branch too, and an FP8 load with an
+        # integer ``other`` does not compile.
+        mask = n_mask[:, None] & k_mask[None, :]
+        if FMT == 1:  # MXFP4: two e2m1 values a byte, an e8m0 scale per 32
+            byte = tl.load(
+                w_ptr + expert * stride_we + n[:, None] * stride_wn + (k[None, :] // 2),
+                mask=mask,
+                other=0,
+            ).to(tl.int32)
+            nibble = tl.where((k[None, :] % 2) == 0, byte & 0xF, byte >> 4)
+            exponent = (nibble >> 1) & 0x3
+            mantissa = (nibble & 0x1).to(tl.float32)
+            magnitude = tl.where(
+                exponent == 0,
+                0.5 * mantissa,
+                tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * mantissa),
+            )
+            # Every e2m1 value is exact in e4m3.
+            values = tl.where((nibble & 0x8) != 0, -magnitude, magnitude).to(FP8_TYPE)
+            e8m0 = tl.load(
+                s_ptr + expert * stride_se + n * stride_sn + k0 // 32,
+                mask=n_mask,
+                other=127,
+            ).to(tl.float32)
+            scale = tl.where(n_mask, tl.exp2(e8m0 - 127.0), 0.0)
+        else:  # FP8 values, one a byte
+            values = tl.load(
+                w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
+                mask=mask,
+                other=0.0,
+            )
+            if FMT == 0:
+                scale = tl.load(
+                    s_ptr + expert * stride_se + n * stride_sn, mask=n_mask, other=0.0
+                )
+            else:
+                scale = tl.load(
+                    s_ptr + expert * stride_se + (n // 128) * stride_sn + k0 // 128,
+                    mask=n_mask,
+                    other=0.0,
+                )
+        return values, scale
+
+    @triton.jit
+    def _block_rows(rows_ptr, block_expert_ptr, top_k, BLOCK_M: tl.constexpr):
+        """This program's padded rows: (row, pair, valid, token, expert)."""
+        block = tl.program_id(0)
+        m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(rows_ptr + m)
+        valid = pair >= 0
+        token = tl.where(valid, pair // top_k, 0)
+        return m, pair, valid, token, tl.load(block_expert_ptr + block)
+
+    @triton.jit
+    def _gate_up_situ(
+        a_ptr,
+        a_scale_ptr,
+        rows_ptr,
+        block_expert_ptr,
+        used_rows_ptr,
+        w_ptr,
+        s_ptr,
+        h_ptr,
+        top_k,
+        latent,
+        inner,
+        stride_am,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_hm,
+        beta,
+        linear_beta,
+        FMT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
+            return  # past the used rows: no pair here
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m, _pair, valid, token, expert = _block_rows(
+            rows_ptr, block_expert_ptr, top_k, BLOCK_M
+        )
+        n_mask = n < inner
+        gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, latent, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < latent
+            a = tl.load(
+                a_ptr + token[:, None] * stride_am + k[None, :],
+                mask=valid[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            w_gate, s_gate = _load_weight_tile(
+                w_ptr, s_ptr, expert, n, k, k0,
+                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
+                a_ptr.dtype.element_ty, FMT,
+            )  # fmt: skip
+            w_up, s_up = _load_weight_tile(
+                w_ptr, s_ptr, expert, n + inner, k, k0,
+                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
+                a_ptr.dtype.element_ty, FMT,
+            )  # fmt: skip
+            # FP8 x FP8 products are exact in the fp32 accumulator.
+            gate += tl.dot(a, tl.trans(w_gate), out_dtype=tl.float32) * s_gate[None, :]
+            up += tl.dot(a, tl.trans(w_up), out_dtype=tl.float32) * s_up[None, :]
+        a_scale = tl.load(a_scale_ptr + token, mask=valid, other=0.0)
+        gate = gate * a_scale[:, None]
+        up = up * a_scale[:, None]
+        # SiTU-GLU: beta·tanh(g/beta)·sigmoid(g) · linear_beta·tanh(u/linear_beta)
+        tanh_g = 2.0 * tl.sigmoid(2.0 * gate / beta) - 1.0
+        tanh_u = 2.0 * tl.sigmoid(2.0 * up / linear_beta) - 1.0
+        h = beta * tanh_g * tl.sigmoid(gate) * linear_beta * tanh_u
+        tl.store(
+            h_ptr + m[:, None] * stride_hm + n[None, :],
+            h,
+            mask=valid[:, None] & n_mask[None, :],
+        )
+
+    @triton.jit
+    def _down_combine(
+        h_ptr,
+        h_scale_ptr,
+        rows_ptr,
+        block_expert_ptr,
+        used_rows_ptr,
+        w_ptr,
+        s_ptr,
+        routing_ptr,
+        out_ptr,
+        top_k,
+        latent,
+        inner,
+        stride_hm,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_om,
+        FMT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
+            return  # past the used rows: no pair here
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m, pair, valid, token, expert = _block_rows(
+            rows_ptr, block_expert_ptr, top_k, BLOCK_M
+        )
+        n_mask = n < latent
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, inner, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < inner
+            h = tl.load(
+                h_ptr + m[:, None] * stride_hm + k[None, :],
+                mask=valid[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            w, w_scale = _load_weight_tile(
+                w_ptr, s_ptr, expert, n, k, k0,
+                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
+                h_ptr.dtype.element_ty, FMT,
+            )  # fmt: skip
+            acc += tl.dot(h, tl.trans(w), out_dtype=tl.float32) * w_scale[None, :]
+        h_scale = tl.load(h_scale_ptr + m, mask=valid, other=0.0)
+        routing = tl.load(routing_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+        acc = acc * (h_scale * routing)[:, None]
+        tl.atomic_add(
+            out_ptr + token[:, None] * stride_om + n[None, :],
+            acc,
+            mask=valid[:, None] & n_mask[None, :],
+        )
+
+
+def _unsupported(z: torch.Tensor, experts: ExpertWeights) -> str | None:
+    if experts.fmt not in FORMATS:
+        return f"weight format {experts.fmt!r}"
+    return triton_blocker(z.device)
+
+
+def latent_moe(
+    z: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: ExpertWeights,
+    *,
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+    block_m: int = 16,
+    block_n: int = 32,
+    block_k: int = 32,
+    fp8_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
+    the reference). ``fp8_dtype``: the activations' FP8 dtype for MXFP4 weights."""
+    if 32 % block_k or block_k < 16:
+        raise ValueError(f"block_k {block_k}: must be 16 or 32 (a scale per K tile)")
+    dtype = activation_dtype(experts, fp8_dtype)
+    reason = _unsupported(z, experts)
+    log_path("Latent MoE", reason)
+    if reason is not None:
+        return latent_moe_reference(
+            z, ids, weights, experts, beta=beta, linear_beta=linear_beta,
+            fp8_dtype=dtype,
+        )  # fmt: skip
+    tokens, latent = z.shape
+    top_k = ids.shape[1]
+    num_experts = experts.w13.shape[0]
+    inner = experts.w13.shape[1] // 2
+    fmt = FORMATS[experts.fmt]
+    z_q, z_scale = quantize_per_row(z, dtype)
+    rows, block_expert, used_rows = sort_by_expert(ids, num_experts, block_m)
+    out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
+    if rows.numel() == 0:
+        return out
+    h = torch.zeros(rows.numel(), inner, dtype=torch.float32, device=z.device)
+    w13, s13 = experts.w13, experts.w13_scale
+    grid = (rows.numel() // block_m, triton.cdiv(inner, block_n))
+    _gate_up_situ[grid](
+        z_q, z_scale, rows, block_expert, used_rows, w13, s13, h, top_k, latent, inner,
+        z_q.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        h.stride(0), beta, linear_beta,
+        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    h_q, h_scale = quantize_per_row(h, dtype)
+    h_scale = torch.where(rows >= 0, h_scale, torch.zeros_like(h_scale))
+    w2, s2 = experts.w2, experts.w2_scale
+    routing = weights.reshape(-1).float().contiguous()
+    grid = (rows.numel() // block_m, triton.cdiv(latent, block_n))
+    _down_combine[grid](
+        h_q, h_scale, rows, block_expert, used_rows, w2, s2, routing, out, top_k,
+        latent, inner,
+        h_q.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        out.stride(0),
+        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+def fp8_experts_from(
+    w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = FP8
+) -> ExpertWeights:
+    """fp32 expert weights quantized to FP8 with a scale per output channel."""
+    return ExpertWeights(
+        "fp8", *quantize_per_row(w13, dtype), *quantize_per_row(w2, dtype)
+    )
+
+
+def quantize_per_block(
+    w: torch.Tensor, dtype: torch.dtype = FP8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, R, C]`` to FP8 with one scale per 128 x 128 block (edge blocks partial)."""
+    fp8_max = float(torch.finfo(dtype).max)
+    experts, rows, cols = w.shape
+    row_blocks = -(-rows // SCALE_BLOCK)
+    col_blocks = -(-cols // SCALE_BLOCK)
+    padded = w.float().new_zeros(
+        experts, row_blocks * SCALE_BLOCK, col_blocks * SCALE_BLOCK
+    )
+    padded[:, :rows, :cols] = w.float()
+    blocks = padded.view(experts, row_blocks, SCALE_BLOCK, col_blocks, SCALE_BLOCK)
+    peak = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12)
+    scale = peak / fp8_max
+    values = (blocks / scale[:, :, None, :, None]).clamp(-fp8_max, fp8_max)
+    values = values.view_as(padded)[:, :rows, :cols].to(dtype)
+    return values, scale
+
+
+def fp8_block_experts_from(
+    w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = FP8
+) -> ExpertWeights:
+    """fp32 expert weights quantized to FP8 with a scale per 128 x 128 block."""
+    return ExpertWeights(
+        "fp8-block", *quantize_per_block(w13, dtype), *quantize_per_block(w2, dtype)
+    )
+
+
+def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
+    """fp32 expert weights rounded to MXFP4, in the checkpoint's packed layout."""
+
+    def pack(w):
+        # One expert at a time: the encoder's temporaries are several times the
+        # weights' size.
+        packed, scale = zip(*(mxfp4_encode(expert) for expert in w))
+        return torch.stack(packed), torch.stack(scale)
+
+    return ExpertWeights("mxfp4", *pack(w13), *pack(w2))
+
+
+__all__ = [
+    "ExpertWeights",
+    "activation_dtype",
+    "fp8_block_experts_from",
+    "fp8_experts_from",
+    "latent_moe",
+    "latent_moe_reference",
+    "mxfp4_experts_from",
+    "sort_by_expert",
+]

@@ -1,0 +1,430 @@
+"""MLA decode attention over a paged latent cache (FP8 or BF16), split-KV with an LSE
+merge: the Triton kernels, their launcher, and the PyTorch reference.
+
+Shapes (Kimi-K3: ``H`` = 96 heads before TP, latent ``DV`` = 512, ``DPE`` = 64):
+
+- ``q``: ``[B, Q, H, DV + DPE]``, queries absorbed into the latent; ``Q`` rows per
+  request (1, or up to 8 for speculative decoding): row ``r`` sees the first
+  ``seq_len - (Q - 1 - r)`` tokens.
+- ``cache``: ``[num_pages, page_size, DV + DPE]``, ``float8_e4m3fn`` /
+  ``float8_e4m3fnuz`` with one scale per layer, or ``bfloat16`` / ``float16`` /
+  ``float32`` (scale 1).
+- ``block_table``: ``[B, max_pages]`` int32; ``seq_lens``: ``[B]`` int32.
+- returns ``(out [B, Q, H, DV] fp32, lse [B, Q, H] fp32)``; the values are the first
+  ``DV`` channels of the cache (the normalized ``c_kv``).
+
+Dots: with a ``bfloat16`` query over an FP8 or ``bfloat16`` cache (the model's case on
+a GPU), both dots run on bf16 tensor cores with fp32 accumulation: the query and every
+cache value are exact in bf16 (an e4m3 value has 3 mantissa bits), the layer's scale
+is applied to the scores and the output instead of the values, and the softmax
+weights are rounded to bf16 (ties to even) for the value dot while their sum stays
+fp32. The output then differs from the reference by at most ``2^-8 · max|value|``
+(each weight within ``2^-8`` relative; the weights sum to one) plus fp32 summation
+order; the LSE by summation order only. Any other dtype pair runs fp32 dots
+(``ieee``), differing from the reference by summation order only; on a GPU they run
+without tensor cores, several times slower. Under ``TRITON_INTERPRET=1`` (whose bf16
+``tl.dot`` is not usable) the bf16 path rounds the same operands and multiplies them
+as exact fp32 values, which is what the tensor cores compute.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from k3_triton_kernels.runtime import (
+    interpreted,
+    log_path,
+    num_warps,
+    triton_blocker,
+)
+
+FP8_DTYPES = tuple(
+    d
+    for d in (
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e4m3fnuz", None),
+    )
+    if d
+)
+CACHE_DTYPES = (*FP8_DTYPES, torch.bfloat16, torch.float16, torch.float32)
+
+
+# -- PyTorch reference ----------------------------------------------------------------
+
+
+def mla_decode_reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    value_dim: int,
+    softmax_scale: float,
+    kv_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, rows, heads, _ = q.shape
+    page_size = cache.shape[1]
+    out = torch.zeros(
+        batch, rows, heads, value_dim, dtype=torch.float32, device=q.device
+    )
+    lse = torch.full((batch, rows, heads), float("-inf"), device=q.device)
+    for b in range(batch):
+        length = int(seq_lens[b])
+        tokens = torch.arange(length, device=q.device)
+        pages = block_table[b, tokens // page_size].long()
+        latent = cache[pages, tokens % page_size].float() * kv_scale  # [L, D]
+        for r in range(rows):
+            visible = length - (rows - 1 - r)
+            if visible <= 0:
+                continue
+            keys = latent[:visible]
+            scores = (q[b, r].float() @ keys.T) * softmax_scale  # [H, visible]
+            lse[b, r] = torch.logsumexp(scores, dim=-1)
+            out[b, r] = torch.softmax(scores, dim=-1) @ keys[:, :value_dim]
+    return out, lse
+
+
+def write_latent(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    latent: torch.Tensor,
+    kv_scale: float = 1.0,
+) -> None:
+    """Store ``latent`` ``[T, D]`` at flat ``slots`` (``page * page_size + offset``),
+    quantized to the cache dtype with the layer's scale."""
+    flat = cache.view(-1, cache.shape[-1])
+    values = latent.float() / kv_scale
+    if cache.dtype in FP8_DTYPES:
+        limit = torch.finfo(cache.dtype).max
+        values = values.clamp(-limit, limit)
+    flat[slots.long()] = values.to(cache.dtype)
+
+
+# -- Triton kernels -------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the CPU path needs no Triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_to_bf16(x):
+        """``x`` (fp32, finite) rounded to the nearest bf16, ties to even, as fp32. Bit
+        arithmetic, so the interpreter rounds as a GPU does."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dot(a, b, BF16_DOTS: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``a @ b`` into fp32. ``BF16_DOTS``: every operand value is exact in bf16;
+        on a GPU the dot runs on bf16 tensor cores."""
+        if BF16_DOTS and not INTERPRETED:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+    @triton.jit
+    def _mla_decode_partial(
+        q_ptr,
+        cache_ptr,
+        block_table_ptr,
+        seq_lens_ptr,
+        mid_out_ptr,
+        mid_lse_ptr,
+        kv_scale,
+        softmax_scale,
+        stride_qb,
+        stride_qr,
+        stride_qh,
+        stride_cp,
+        stride_cs,
+        stride_bt,
+        stride_mo_row,
+        stride_mo_h,
+        stride_mo_s,
+        stride_ml_row,
+        stride_ml_h,
+        heads,
+        rows: tl.constexpr,
+        page_size: tl.constexpr,
+        num_splits,
+        DV: tl.constexpr,
+        DPE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BF16_DOTS: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+    ):
+        row = tl.program_id(0)  # b * rows + r
+        head_block = tl.program_id(1)
+        split = tl.program_id(2)
+        b = row // rows
+        r = row % rows
+        visible = tl.load(seq_lens_ptr + b) - (rows - 1 - r)
+        # Each row splits its own length (read here, on the device), so the grid
+        # may be sized from any upper bound of the lengths.
+        tokens_per_split = tl.cdiv(tl.cdiv(tl.maximum(visible, 0), num_splits), BLOCK_N)
+        tokens_per_split = tokens_per_split * BLOCK_N
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, visible)
+
+        h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = h < heads
+        dv = tl.arange(0, DV)
+        dpe = tl.arange(0, DPE)
+        q_base = q_ptr + b * stride_qb + r * stride_qr + h[:, None] * stride_qh
+        q_nope = tl.load(q_base + dv[None, :], mask=h_mask[:, None], other=0.0)
+        q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0)
+        score_scale = softmax_scale * kv_scale
+
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        denom = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, DV), tl.float32)
+        for tile in range(start, end, BLOCK_N):
+            n = tile + tl.arange(0, BLOCK_N)
+            n_mask = n < end
+            page = tl.load(
+                block_table_ptr + b * stride_bt + n // page_size, mask=n_mask, other=0
+            )
+            token_base = (
+                cache_ptr + page.to(tl.int64) * stride_cp + (n % page_size) * stride_cs
+            )
+            # Stored values, unscaled: the layer's scale goes on scores and output.
+            k_nope = tl.load(
+                token_base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0
+            )
+            k_pe = tl.load(
+                token_base[:, None] + DV + dpe[None, :], mask=n_mask[:, None], other=0.0
+            )
+            scores = _dot(q_nope, tl.trans(k_nope), BF16_DOTS, INTERPRETED)
+            scores += _dot(q_pe, tl.trans(k_pe), BF16_DOTS, INTERPRETED)
+            scores = tl.where(n_mask[None, :], scores * score_scale, float("-inf"))
+            new_m = tl.maximum(m, tl.max(scores, axis=1))
+            rescale = tl.exp(m - new_m)
+            p = tl.exp(scores - new_m[:, None])
+            denom = denom * rescale + tl.sum(p, axis=1)
+            if BF16_DOTS:
+                p = _round_to_bf16(p)
+            acc = acc * rescale[:, None] + _dot(p, k_nope, BF16_DOTS, INTERPRETED)
+            m = new_m
+
+        has_tokens = end > start
+        safe_denom = tl.where(has_tokens, denom, 1.0)
+        lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
+        out = acc * (kv_scale / safe_denom[:, None])
+        tl.store(
+            mid_out_ptr
+            + row * stride_mo_row
+            + h[:, None] * stride_mo_h
+            + split * stride_mo_s
+            + dv[None, :],
+            out,
+            mask=h_mask[:, None],
+        )
+        tl.store(
+            mid_lse_ptr + row * stride_ml_row + h * stride_ml_h + split,
+            lse,
+            mask=h_mask,
+        )
+
+    @triton.jit
+    def _mla_decode_merge(
+        mid_out_ptr,
+        mid_lse_ptr,
+        out_ptr,
+        lse_ptr,
+        stride_mo_row,
+        stride_mo_h,
+        stride_mo_s,
+        stride_ml_row,
+        stride_ml_h,
+        stride_o_row,
+        stride_o_h,
+        stride_l_row,
+        splits,
+        DV: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        dv = tl.arange(0, DV)
+        m = tl.full((), float("-inf"), tl.float32)
+        denom = tl.zeros((), tl.float32)
+        acc = tl.zeros((DV,), tl.float32)
+        for s in range(splits):
+            part_lse = tl.load(mid_lse_ptr + row * stride_ml_row + h * stride_ml_h + s)
+            if part_lse > float("-inf"):
+                part = tl.load(
+                    mid_out_ptr
+                    + row * stride_mo_row
+                    + h * stride_mo_h
+                    + s * stride_mo_s
+                    + dv
+                )
+                new_m = tl.maximum(m, part_lse)
+                rescale = tl.exp(m - new_m)
+                weight = tl.exp(part_lse - new_m)
+                denom = denom * rescale + weight
+                acc = acc * rescale + weight * part
+                m = new_m
+        has = denom > 0
+        safe_denom = tl.where(has, denom, 1.0)
+        tl.store(out_ptr + row * stride_o_row + h * stride_o_h + dv, acc / safe_denom)
+        tl.store(
+            lse_ptr + row * stride_l_row + h, tl.where(has, m + tl.log(safe_denom), m)
+        )
+
+
+# -- launcher -------------------------------------------------------------------------
+
+
+def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | None:
+    blocker = triton_blocker(q.device)
+    if blocker is not None:
+        return blocker
+    if cache.dtype not in CACHE_DTYPES:
+        return f"cache dtype {cache.dtype}"
+    rope = q.shape[-1] - value_dim
+    for name, size in (("latent dim", value_dim), ("rope dim", rope)):
+        if size < 16 or size & (size - 1):
+            return f"{name} {size} (needs a power of two >= 16)"
+    if cache.shape[-1] != q.shape[-1]:
+        return f"cache width {cache.shape[-1]} != query width {q.shape[-1]}"
+    return None
+
+
+MIN_SPLIT_TOKENS = 256
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(longest: int, programs_per_split: int, device) -> int:
+    """KV splits of a decode batch: enough programs to fill the GPU's
+    multiprocessors twice (a batch of many rows and heads needs few splits, one long
+    sequence many), each split at least ``MIN_SPLIT_TOKENS`` of the longest
+    sequence. Off a GPU, up to 16."""
+    most = max(1, math.ceil(longest / MIN_SPLIT_TOKENS))
+    if device.type != "cuda":
+        return min(16, most)
+    wanted = math.ceil(2 * _multiprocessors(device) / max(1, programs_per_split))
+    return max(1, min(most, wanted))
+
+
+def bf16_dots(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the dots run on bf16 operands: every query and cache value is exact
+    in bf16."""
+    return q.dtype == torch.bfloat16 and cache.dtype in (*FP8_DTYPES, torch.bfloat16)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    value_dim: int = 512,
+    softmax_scale: float | None = None,
+    kv_scale: float = 1.0,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    reference_because: str | None = None,
+    block_h: int = 16,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention; the Triton kernels where they apply, else the reference with
+    a one-time log line naming why. ``max_seq_len`` (a host int, at least
+    ``seq_lens.max()``) sizes the split-KV grid without reading ``seq_lens`` back
+    from the device. ``reference_because``: take the reference, logging this
+    reason (the caller's setting)."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(192)
+    reason = reference_because or _unsupported(q, cache, value_dim)
+    log_path("MLA decode", reason)
+    if reason is not None:
+        return mla_decode_reference(
+            q,
+            cache,
+            block_table,
+            seq_lens,
+            value_dim=value_dim,
+            softmax_scale=softmax_scale,
+            kv_scale=kv_scale,
+        )
+    batch, rows, heads, _ = q.shape
+    rope = q.shape[-1] - value_dim
+    if max_seq_len is not None:
+        longest = max_seq_len
+    else:
+        longest = int(seq_lens.max()) if batch else 0
+    if num_splits is None:
+        num_splits = default_num_splits(
+            longest, batch * rows * triton.cdiv(heads, block_h), q.device
+        )
+    # No split shorter than one tile.
+    num_splits = max(1, min(num_splits, math.ceil(max(longest, 1) / block_n)))
+    device = q.device
+    mid_out = torch.empty(batch * rows, heads, num_splits, value_dim, device=device)
+    mid_lse = torch.empty(batch * rows, heads, num_splits, device=device)
+    out = torch.empty(batch * rows, heads, value_dim, device=device)
+    lse = torch.empty(batch * rows, heads, device=device)
+    if batch:
+        grid = (batch * rows, triton.cdiv(heads, block_h), num_splits)
+        _mla_decode_partial[grid](
+            q,
+            cache,
+            block_table,
+            seq_lens,
+            mid_out,
+            mid_lse,
+            kv_scale,
+            softmax_scale,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            cache.stride(0),
+            cache.stride(1),
+            block_table.stride(0),
+            mid_out.stride(0),
+            mid_out.stride(1),
+            mid_out.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            heads,
+            rows,
+            cache.shape[1],
+            num_splits,
+            DV=value_dim,
+            DPE=rope,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+            BF16_DOTS=bf16_dots(q, cache),
+            INTERPRETED=interpreted(),
+            # Cross-compiled: 4 warps spill on sm90, 8 spill on gfx950.
+            num_warps=num_warps(nvidia=8, amd=4),
+        )
+        _mla_decode_merge[(batch * rows, heads)](
+            mid_out,
+            mid_lse,
+            out,
+            lse,
+            mid_out.stride(0),
+            mid_out.stride(1),
+            mid_out.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            num_splits,
+            DV=value_dim,
+        )
+    return out.view(batch, rows, heads, value_dim), lse.view(batch, rows, heads)

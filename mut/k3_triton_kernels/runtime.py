@@ -1,0 +1,80 @@
+"""Where the Triton kernels can run, and one log line per kernel and path: which
+implementation a launcher took, and why not the Triton kernel when it did not."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("vllm.k3_plugin.kernels")
+_said: set[tuple[str, str]] = set()
+
+
+def interpreted() -> bool:
+    """Triton kernels run on its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton runs on a GPU, or anywhere under ``TRITON_INTERPRET=1``."""
+    return interpreted() or device.type == "cuda"
+
+
+def triton_blocker(device: torch.device) -> str | None:
+    """Why no Triton kernel can run on ``device``, or ``None``."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if not triton_usable(device):
+        return f"no Triton backend for device {device.type}"
+    return None
+
+
+# The chunked KDA kernels hold C x C and C x K tiles in registers: at 32 tokens a
+# chunk they spill on sm90 (8 KB of stack at 4 warps, 640 B at 8), so the model runs
+# them on chunks of at most 16.
+CHUNKED_KDA_MAX_CHUNK = 16
+
+
+def on_rocm() -> bool:
+    """The launchers' target is an AMD GPU (a ROCm build of PyTorch)."""
+    return torch.version.hip is not None
+
+
+def num_warps(*, nvidia: int, amd: int) -> int:
+    """A launch's warps for the platform: the register budgets differ (sm90: 255
+    registers a thread; CDNA: up to 512 VGPRs a lane at 4 wavefronts of 64)."""
+    return amd if on_rocm() else nvidia
+
+
+def chunked_kda_tile_blocker(chunk: int, key_dim: int, value_dim: int) -> str | None:
+    """Why the chunked KDA prefill kernels cannot tile these dims (``tl.dot`` takes
+    powers of two ≥ 16; value columns are masked), or ``None``."""
+
+    def tiles(n: int) -> bool:
+        return n >= 16 and n & (n - 1) == 0
+
+    if not tiles(chunk):
+        return f"chunk length {chunk} (the gate's lower bound) is not a power of 2 ≥ 16"
+    if chunk > CHUNKED_KDA_MAX_CHUNK:
+        return f"chunk length {chunk} is over {CHUNKED_KDA_MAX_CHUNK} (register tiles)"
+    if not tiles(key_dim):
+        return f"key head dim {key_dim} is not a power of 2 ≥ 16"
+    if value_dim < 16:
+        return f"value head dim {value_dim} is under 16"
+    return None
+
+
+def log_path(kernel: str, fallback_reason: str | None) -> None:
+    """``fallback_reason`` ``None``: the Triton kernel runs."""
+    line = (
+        "Triton kernel"
+        if fallback_reason is None
+        else f"PyTorch path ({fallback_reason})"
+    )
+    if (kernel, line) in _said:
+        return
+    _said.add((kernel, line))
+    logger.info("%s: %s", kernel, line)
