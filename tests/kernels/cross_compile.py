@@ -119,9 +119,9 @@ def _cases(fp8: torch.dtype):
 
         return call
 
-    def moe(fmt):
+    def moe(fmt, tokens=3):
         def call():
-            z = torch.randn(3, 256)
+            z = torch.randn(tokens, 256)
             w13, w2 = torch.randn(8, 256, 256), torch.randn(8, 256, 128)
             if fmt == "mxfp4":
                 experts, fp8_dtype = latent_moe.mxfp4_experts_from(w13, w2), fp8
@@ -131,7 +131,7 @@ def _cases(fp8: torch.dtype):
                     "fp8-block": latent_moe.fp8_block_experts_from,
                 }[fmt]
                 experts, fp8_dtype = build(w13, w2, fp8), None
-            weights, ids = ref.route(torch.randn(3, 8), torch.zeros(8), 2)
+            weights, ids = ref.route(torch.randn(tokens, 8), torch.zeros(8), 2)
             latent_moe.latent_moe(z, ids, weights, experts, fp8_dtype=fp8_dtype)
 
         return call
@@ -169,6 +169,10 @@ def _cases(fp8: torch.dtype):
         ("latent moe fp8", latent_moe, moe("fp8")),
         ("latent moe fp8-block", latent_moe, moe("fp8-block")),
         ("latent moe mxfp4", latent_moe, moe("mxfp4")),
+        # From 256 tokens the MoE takes 64-row blocks.
+        ("latent moe fp8, 300 tokens", latent_moe, moe("fp8", 300)),
+        ("latent moe fp8-block, 300 tokens", latent_moe, moe("fp8-block", 300)),
+        ("latent moe mxfp4, 300 tokens", latent_moe, moe("mxfp4", 300)),
         ("kda decode", kda_decode, kda_step),
         ("kda chunk terms", kda_chunk_terms, terms(16, torch.float32)),
         ("kda chunk terms bf16", kda_chunk_terms, terms(16, torch.bfloat16)),

@@ -27,6 +27,9 @@ LAUNCHES = {
         "latent moe fp8": ("_gate_up_situ", "_down_combine"),
         "latent moe fp8-block": ("_gate_up_situ", "_down_combine"),
         "latent moe mxfp4": ("_gate_up_situ", "_down_combine"),
+        "latent moe fp8, 300 tokens": ("_gate_up_situ", "_down_combine"),
+        "latent moe fp8-block, 300 tokens": ("_gate_up_situ", "_down_combine"),
+        "latent moe mxfp4, 300 tokens": ("_gate_up_situ", "_down_combine"),
         "kda decode": ("_kda_decode_step", "_shift_conv_state"),
         "kda chunk terms": ("_chunk_terms",),
         "kda chunk terms bf16": ("_chunk_terms",),
@@ -54,10 +57,16 @@ def test_every_launch_compiles_for_the_target(target):
     # Every launcher reached its kernels (none fell back before launching).
     assert {r["launch"] for r in results} == LAUNCHES
     # The model's launches keep their registers: a spill costs memory traffic on
-    # every tile. (The fp32-query MLA path is the tests', not a GPU model's.)
+    # every tile. Not counted: the fp32-query MLA path (the tests', not a GPU
+    # model's), and MXFP4's gate/up and down GEMMs on sm90, whose 128-wide tiles
+    # spill (56 to 872 bytes) and still measured fastest on an H200 (1.7x to 6.4x
+    # over the 32- and 64-wide ones, benchmarks/results/moe_tiles_h200.txt).
+    measured_despite_spill = target == "sm90"
     spilled = {
         r["launch"]: r["spilled"]
         for r in results
-        if "fp32 q" not in r["launch"] and r["spilled"] != 0
+        if "fp32 q" not in r["launch"]
+        and not ("mxfp4" in r["launch"] and measured_despite_spill)
+        and r["spilled"] != 0
     }
     assert not spilled, spilled
