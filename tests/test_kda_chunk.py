@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kda_inputs import kda_inputs
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.kda_chunk import (
     WINDOW_BYTES,
@@ -20,19 +21,6 @@ from vllm_k3_plugin.model.kda_chunk import (
     state_pass,
     window_tokens_for,
 )
-
-
-def _inputs(tokens, heads, key_dim, value_dim, lower_bound=-5.0, saturate=False):
-    generator = torch.Generator().manual_seed(tokens * 7 + key_dim)
-    q = ref.l2_normalize(torch.randn(tokens, heads, key_dim, generator=generator))
-    k = ref.l2_normalize(torch.randn(tokens, heads, key_dim, generator=generator))
-    v = torch.randn(tokens, heads, value_dim, generator=generator)
-    u = torch.randn(tokens, heads, key_dim, generator=generator)
-    if saturate:  # every gate at its lower bound: the largest exponents there are
-        u = u.abs() * 50 + 50
-    g = ref.kda_gate(u, torch.zeros(heads), lower_bound)
-    beta = torch.rand(tokens, heads, generator=generator)
-    return q / key_dim**0.5, k, v, g, beta
 
 
 def _close(got, expected, fraction=1e-5):
@@ -59,7 +47,7 @@ def test_chunk_length_keeps_the_exponents_finite():
 )
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunked_matches_the_recurrence(tokens, heads, key_dim, value_dim, with_state):
-    inputs = _inputs(tokens, heads, key_dim, value_dim)
+    inputs = kda_inputs(tokens, heads, key_dim, value_dim)
     state = (
         torch.randn(
             heads, key_dim, value_dim, generator=torch.Generator().manual_seed(1)
@@ -75,7 +63,7 @@ def test_chunked_matches_the_recurrence(tokens, heads, key_dim, value_dim, with_
 
 @pytest.mark.parametrize("lower_bound", [-5.0, -20.0, -0.5])
 def test_gates_at_their_lower_bound_stay_finite_and_exact(lower_bound):
-    inputs = _inputs(70, 2, 32, 32, lower_bound=lower_bound, saturate=True)
+    inputs = kda_inputs(70, 2, 32, 32, lower_bound=lower_bound, saturate=True)
     assert inputs[3].min() < 0.99 * lower_bound
     state = torch.randn(2, 32, 32)
     out, final = kda_chunked(*inputs, state, lower_bound=lower_bound)
@@ -85,7 +73,7 @@ def test_gates_at_their_lower_bound_stay_finite_and_exact(lower_bound):
 
 
 def test_a_prompt_split_anywhere_carries_its_state():
-    inputs = _inputs(53, 2, 16, 16)
+    inputs = kda_inputs(53, 2, 16, 16)
     whole, whole_state = ref.kda_recurrence(*inputs)
     state, pieces = None, []
     for lo, hi in ((0, 5), (5, 21), (21, 22), (22, 53)):
@@ -97,14 +85,14 @@ def test_a_prompt_split_anywhere_carries_its_state():
 @pytest.mark.parametrize("window_tokens", [16, 40, 1])
 def test_a_long_prompt_runs_in_bounded_windows_with_the_same_result(window_tokens):
     """Windows of whole chunks (40 rounds down to 32; 1 rounds up to one chunk)."""
-    inputs = _inputs(75, 2, 16, 16)
+    inputs = kda_inputs(75, 2, 16, 16)
     whole, whole_state = kda_chunked(*inputs)
     windowed, windowed_state = kda_chunked(*inputs, window_tokens=window_tokens)
     assert _close(windowed, whole, 1e-6) and _close(windowed_state, whole_state, 1e-6)
 
 
 def test_no_tokens_returns_the_state_unchanged():
-    q, k, v, g, beta = _inputs(3, 2, 8, 4)
+    q, k, v, g, beta = kda_inputs(3, 2, 8, 4)
     state = torch.randn(2, 8, 4)
     out, final = kda_chunked(q[:0], k[:0], v[:0], g[:0], beta[:0], state)
     assert out.shape == (0, 2, 4) and torch.equal(final, state)
@@ -113,7 +101,7 @@ def test_no_tokens_returns_the_state_unchanged():
 def test_gates_below_the_bound_are_read_at_the_bound():
     """A ``g`` under the lower bound would overflow ``e^{−G}``; it is read as the
     bound, the value K3's gate ``lb · sigmoid(·)`` saturates at."""
-    q, k, v, g, beta = _inputs(40, 2, 16, 16)
+    q, k, v, g, beta = kda_inputs(40, 2, 16, 16)
     g = g.clone()
     g[5:30:3] = -60.0
     out, final = kda_chunked(q, k, v, g, beta)
@@ -153,7 +141,7 @@ def test_the_terms_and_state_pass_run_in_ieee_fp32_and_the_setting_is_restored(
         return run
 
     kda_chunked(
-        *_inputs(40, 2, 16, 16),
+        *kda_inputs(40, 2, 16, 16),
         run_chunk_terms=recording("terms", chunk_terms),
         run_state_pass=recording("state", state_pass),
         window_tokens=16,
@@ -177,7 +165,7 @@ def test_after_vllms_legacy_precision_call_the_terms_still_run_in_ieee_fp32():
         return chunk_terms(*args)
 
     try:
-        kda_chunked(*_inputs(20, 2, 16, 16), run_chunk_terms=recording)
+        kda_chunked(*kda_inputs(20, 2, 16, 16), run_chunk_terms=recording)
         assert seen == ["ieee"]
         assert torch.get_float32_matmul_precision() == "high"
     finally:
@@ -192,7 +180,7 @@ def test_the_default_window_bounds_the_terms_memory(heads):
 
 
 def test_a_prompt_longer_than_the_window_is_fed_a_window_at_a_time():
-    inputs = _inputs(100, 2, 16, 16)
+    inputs = kda_inputs(100, 2, 16, 16)
     sizes = []
 
     def terms(q, *rest):

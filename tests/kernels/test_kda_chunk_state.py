@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from k3_triton_kernels.kda_chunk_state import kda_state_pass, kda_state_pass_reference
+from tests.kda_inputs import kda_inputs
 from tests.kernels.placement import on_device
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.kda_chunk import chunk_terms, kda_chunked
@@ -18,15 +19,10 @@ from vllm_k3_plugin.model.kda_chunk import chunk_terms, kda_chunked
 
 def _inputs(tokens, heads, key_dim, value_dim, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    q = ref.l2_normalize(torch.randn(tokens, heads, key_dim, generator=generator))
-    k = ref.l2_normalize(torch.randn(tokens, heads, key_dim, generator=generator))
-    v = torch.randn(tokens, heads, value_dim, generator=generator)
-    u = torch.randn(tokens, heads, key_dim, generator=generator)
-    g = ref.kda_gate(u, torch.zeros(heads))
-    beta = torch.rand(tokens, heads, generator=generator)
     state = torch.randn(heads, key_dim, value_dim, generator=generator)
-    q, k, v, g, beta, state = on_device(q / key_dim**0.5, k, v, g, beta, state)
-    return (q, k, v, g, beta), state
+    inputs = kda_inputs(tokens, heads, key_dim, value_dim, seed=seed + 1)
+    *inputs, state = on_device(*inputs, state)
+    return tuple(inputs), state
 
 
 def _close(got, expected, fraction=1e-5):

@@ -18,26 +18,14 @@ from k3_triton_kernels.kda_chunk_terms import (
     kda_chunk_terms,
     kda_chunk_terms_reference,
 )
+from tests.kda_inputs import kda_inputs
 from tests.kernels.placement import on_device
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.kda_chunk import kda_chunked
 
 
-def _inputs(tokens, heads, key_dim, value_dim, *, lower_bound=-5.0, saturate=False):
-    generator = torch.Generator().manual_seed(tokens + 7 * heads + key_dim)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator)
-
-    q = ref.l2_normalize(randn(tokens, heads, key_dim)) / key_dim**0.5
-    k = ref.l2_normalize(randn(tokens, heads, key_dim))
-    u = randn(tokens, heads, key_dim)
-    if saturate:  # every gate at its lower bound: the largest exponents there are
-        u = u.abs() * 50 + 50
-    g = ref.kda_gate(u, torch.zeros(heads), lower_bound)
-    v = randn(tokens, heads, value_dim)
-    beta = torch.rand(tokens, heads, generator=generator)
-    return on_device(q, k, v, g, beta)
+def _inputs(*shape, **options):
+    return on_device(*kda_inputs(*shape, **options))
 
 
 def _assert_terms_close(got, expected, fraction=1e-5):
