@@ -196,8 +196,8 @@ if triton is not None:
         FMT: tl.constexpr,
     ):
         """One expert's ``[BLOCK_N, BLOCK_K]`` tile as FP8 values and the scale of
-        each output row for this K tile (``BLOCK_K`` divides 32, so an MXFP4 or a
-        128-block scale is constant over the tile)."""
+        each output row for this K tile (``BLOCK_K`` divides the format's
+        ``SCALE_SPAN``, so one scale holds over the tile)."""
         # One branch per format, one return after them: Triton compiles the code
         # after an early return in a constexpr branch too, and an FP8 load with an
         # integer ``other`` does not compile.
