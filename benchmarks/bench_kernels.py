@@ -247,7 +247,7 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
             *inputs, state, warmup, repeats, cuda
         )
         row["baseline"] = "vLLM chunk_kda"
-        yield (row)
+        yield row
         chunk = chunk_size_for(-5.0)
         # fp32 in: q, k, g, v, beta; out: four [T, H, K] terms, the [C, C] readout
         # per chunk (C per token) and the decay (K per chunk)
@@ -383,7 +383,7 @@ def bench_mla(device, smoke, warmup, repeats):
             row, _vllm_mla(q, cache, table, lens, warmup, repeats, cuda), ours_out
         )
         row["baseline"] = "vLLM decode_attention_fwd"
-        yield (row)
+        yield row
 
 
 def _vllm_mla(q, cache, table, lens, warmup, repeats, cuda):
@@ -507,7 +507,7 @@ def bench_moe(device, smoke, warmup, repeats):
                 row["baseline"] = "vLLM fused_moe_kernel GEMMs alone"
             else:
                 row["vllm_s"], row["vllm_note"] = None, "no vLLM W4A8 MXFP4 baseline"
-            yield (row)
+            yield row
 
 
 def main(argv=None) -> int:
