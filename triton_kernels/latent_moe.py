@@ -386,8 +386,9 @@ def _unsupported(z: torch.Tensor, experts: ExpertWeights) -> str | None:
 
 def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
     """``(block_m, block_n, block_k)`` of the two GEMMs, from a sweep on an H200
-    (``benchmarks/results/moe_tiles_h200.txt``: K3's 112 experts a device, top-16,
-    latent 3584, inner 3072; block_n 64/128, block_k 64/128 (32 for MXFP4), 4 and 8
+    (``benchmarks/sweep_moe_tiles.py``, ``benchmarks/results/moe_tiles_h200.txt``:
+    K3's 112 experts a device, top-16, latent 3584, inner 3072; block_n 64/128,
+    block_k 64/128 (32 for MXFP4), 4 and 8
     warps, block_m 16 and, from 256 tokens, 64). The best were FP8 (both scale
     layouts) 64 x 128 tiles and MXFP4 128 x 32, 4 warps, block_m 16 at 1 and 16
     tokens and 64 at 256 and 4,096; against the 32 x 32 tiles before, 1.5x to 5x

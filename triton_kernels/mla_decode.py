@@ -319,7 +319,8 @@ def default_num_splits(longest: int, programs_per_split: int, device) -> int:
     a GPU, up to 16.
 
     Measured on an H200 (16 heads, 128k tokens): one sequence, 264 splits 240 µs,
-    128 splits 183 µs; 32 sequences, 9 splits 5751 µs, 4 splits 4316 µs."""
+    128 splits 183 µs; 32 sequences, 9 splits 5751 µs, 4 splits 4316 µs
+    (``benchmarks/sweep_mla_splits.py`` reruns it)."""
     most = max(1, math.ceil(longest / MIN_SPLIT_TOKENS))
     if device.type != "cuda":
         return min(16, most)
