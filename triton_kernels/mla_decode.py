@@ -37,8 +37,10 @@ import torch
 from k3_triton_kernels.runtime import (
     interpreted,
     log_path,
-    num_warps,
     triton_blocker,
+)
+from k3_triton_kernels.runtime import (
+    num_warps as platform_warps,
 )
 
 FP8_DTYPES = tuple(
@@ -159,6 +161,7 @@ if triton is not None:
         DPE: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PAGE_TILES: tl.constexpr,
         BF16_DOTS: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
@@ -190,12 +193,26 @@ if triton is not None:
         for tile in range(start, end, BLOCK_N):
             n = tile + tl.arange(0, BLOCK_N)
             n_mask = n < end
-            page = tl.load(
-                block_table_ptr + b * stride_bt + n // page_size, mask=n_mask, other=0
-            )
-            token_base = (
-                cache_ptr + page.to(tl.int64) * stride_cp + (n % page_size) * stride_cs
-            )
+            if PAGE_TILES:
+                # The tile lies in one page: one block-table read, and the tile's
+                # tokens are consecutive rows of that page.
+                page = tl.load(block_table_ptr + b * stride_bt + tile // page_size)
+                token_base = (
+                    cache_ptr
+                    + page.to(tl.int64) * stride_cp
+                    + ((tile % page_size) + tl.arange(0, BLOCK_N)) * stride_cs
+                )
+            else:
+                page = tl.load(
+                    block_table_ptr + b * stride_bt + n // page_size,
+                    mask=n_mask,
+                    other=0,
+                )
+                token_base = (
+                    cache_ptr
+                    + page.to(tl.int64) * stride_cp
+                    + (n % page_size) * stride_cs
+                )
             # Stored values, unscaled: the layer's scale goes on scores and output.
             k_nope = tl.load(
                 token_base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0
@@ -300,9 +317,9 @@ def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | 
 
 
 MIN_SPLIT_TOKENS = 256
-# A program's fixed work (setup, epilogue, its share of the merge) counted as tokens
-# read, so that near-ties in the split count go to fewer splits.
-SPLIT_OVERHEAD_TOKENS = 256
+# Programs a multiprocessor keeps busy at once: at 4 warps (NVIDIA) two run side by
+# side, and the kernel needs both in flight to hide the cache reads' latency.
+PROGRAMS_PER_MULTIPROCESSOR = 2
 
 
 @functools.cache
@@ -311,27 +328,31 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def default_num_splits(longest: int, programs_per_split: int, device) -> int:
-    """KV splits of a decode batch on a GPU: the count whose programs take the
-    fewest waves of the multiprocessors times the work of each (the tokens it reads
-    and a fixed overhead; a wave that is mostly empty costs a whole one);
-    at most one split per multiprocessor (the merge reads the splits one after
-    another), each split at least ``MIN_SPLIT_TOKENS`` of the longest sequence. Off
-    a GPU, up to 16.
+    """KV splits of a decode batch on a GPU: enough for
+    ``PROGRAMS_PER_MULTIPROCESSOR`` programs on every multiprocessor, each split at
+    least ``MIN_SPLIT_TOKENS`` of the longest sequence. Off a GPU, up to 16.
 
-    Measured on an H200 (16 heads, 128k tokens): one sequence, 264 splits 240 µs,
-    128 splits 183 µs; 32 sequences, 9 splits 5751 µs, 4 splits 4316 µs
-    (``benchmarks/sweep_mla_splits.py`` reruns it)."""
+    Measured on an H200 (``benchmarks/sweep_mla.py``, 16 heads, 4 warps, 2 stages;
+    ``benchmarks/results/mla_sweep_h200.txt``): one 128k sequence, 264 splits 148 µs,
+    132 splits 161 µs; 32 sequences of 32k, 8 splits 631 µs, 4 splits 980 µs; 128
+    sequences of 32k, 4 to 48 splits all within 1% (2468-2481 µs), 1 split 3878 µs."""
     most = max(1, math.ceil(longest / MIN_SPLIT_TOKENS))
     if device.type != "cuda":
         return min(16, most)
-    sms = _multiprocessors(device)
-    programs = max(1, programs_per_split)
+    slots = PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(device)
+    return max(1, min(most, math.ceil(slots / max(1, programs_per_split))))
 
-    def cost(splits: int) -> int:
-        waves = math.ceil(programs * splits / sms)
-        return waves * (math.ceil(longest / splits) + SPLIT_OVERHEAD_TOKENS)
 
-    return min(range(1, min(most, sms) + 1), key=lambda splits: (cost(splits), splits))
+DEFAULT_BLOCK_N = 32
+DEFAULT_STAGES = 2
+
+
+def default_block_n(page_size: int) -> int:
+    """Tokens a tile: ``DEFAULT_BLOCK_N``, or the page when a page is shorter and
+    still a power of two ≥ 16 (one block-table read a tile)."""
+    if 16 <= page_size < DEFAULT_BLOCK_N and page_size & (page_size - 1) == 0:
+        return page_size
+    return DEFAULT_BLOCK_N
 
 
 def bf16_dots(q: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -353,7 +374,9 @@ def mla_decode(
     max_seq_len: int | None = None,
     reference_because: str | None = None,
     block_h: int = 16,
-    block_n: int = 32,
+    block_n: int | None = None,
+    num_stages: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; the Triton kernels where they apply, else the reference with
     a one-time log line naming why. ``max_seq_len`` (a host int, at least
@@ -376,6 +399,9 @@ def mla_decode(
         )
     batch, rows, heads, _ = q.shape
     rope = q.shape[-1] - value_dim
+    page_size = cache.shape[1]
+    if block_n is None:
+        block_n = default_block_n(page_size)
     if max_seq_len is not None:
         longest = max_seq_len
     else:
@@ -415,16 +441,17 @@ def mla_decode(
             mid_lse.stride(1),
             heads,
             rows,
-            cache.shape[1],
+            page_size,
             num_splits,
             DV=value_dim,
             DPE=rope,
             BLOCK_H=block_h,
             BLOCK_N=block_n,
+            PAGE_TILES=page_size % block_n == 0,
             BF16_DOTS=bf16_dots(q, cache),
             INTERPRETED=interpreted(),
-            # Cross-compiled: 4 warps spill on sm90, 8 spill on gfx950.
-            num_warps=num_warps(nvidia=8, amd=4),
+            num_warps=num_warps or platform_warps(nvidia=4, amd=4),
+            num_stages=num_stages or DEFAULT_STAGES,
         )
         _mla_decode_merge[(batch * rows, heads)](
             mid_out,

@@ -112,10 +112,11 @@ def _cases(fp8: torch.dtype):
     def mla(q_dtype, cache_dtype):
         def call():
             q = torch.randn(2, 2, 16, 576).to(q_dtype)
-            cache = torch.zeros(4, 16, 576).to(cache_dtype)
+            # 64-token pages: the tile is the default 32 tokens, within a page.
+            cache = torch.zeros(4, 64, 576).to(cache_dtype)
             table = torch.arange(4, dtype=torch.int32).view(2, 2)
-            lens = torch.tensor([20, 31], dtype=torch.int32)
-            mla_decode.mla_decode(q, cache, table, lens, max_seq_len=31)
+            lens = torch.tensor([20, 100], dtype=torch.int32)
+            mla_decode.mla_decode(q, cache, table, lens, max_seq_len=100)
 
         return call
 

@@ -18,18 +18,25 @@ import pytest
 
 from tests.kernels.cross_compile import TARGETS
 
+MOE_KERNELS = (
+    "_plan_expert_blocks",
+    "_place_pairs",
+    "_quantize_rows",
+    "_gate_up_situ",
+    "_down_combine",
+)
 LAUNCHES = {
     f"{case}: {kernel}"
     for case, kernels in {
         "mla fp8 cache, bf16 q": ("_mla_decode_partial", "_mla_decode_merge"),
         "mla bf16 cache, bf16 q": ("_mla_decode_partial", "_mla_decode_merge"),
         "mla fp8 cache, fp32 q": ("_mla_decode_partial", "_mla_decode_merge"),
-        "latent moe fp8": ("_gate_up_situ", "_down_combine"),
-        "latent moe fp8-block": ("_gate_up_situ", "_down_combine"),
-        "latent moe mxfp4": ("_gate_up_situ", "_down_combine"),
-        "latent moe fp8, 300 tokens": ("_gate_up_situ", "_down_combine"),
-        "latent moe fp8-block, 300 tokens": ("_gate_up_situ", "_down_combine"),
-        "latent moe mxfp4, 300 tokens": ("_gate_up_situ", "_down_combine"),
+        "latent moe fp8": MOE_KERNELS,
+        "latent moe fp8-block": MOE_KERNELS,
+        "latent moe mxfp4": MOE_KERNELS,
+        "latent moe fp8, 300 tokens": MOE_KERNELS,
+        "latent moe fp8-block, 300 tokens": MOE_KERNELS,
+        "latent moe mxfp4, 300 tokens": MOE_KERNELS,
         "kda decode": ("_kda_decode_step", "_shift_conv_state"),
         "kda chunk terms": ("_chunk_terms",),
         "kda chunk terms bf16": ("_chunk_terms",),
@@ -58,15 +65,21 @@ def test_every_launch_compiles_for_the_target(target):
     assert {r["launch"] for r in results} == LAUNCHES
     # The model's launches keep their registers: a spill costs memory traffic on
     # every tile. Not counted: the fp32-query MLA path (the tests', not a GPU
-    # model's), and MXFP4's gate/up and down GEMMs on sm90, whose 128-wide tiles
-    # spill (56 to 872 bytes) and still measured fastest on an H200 (1.7x to 6.4x
-    # over the 32- and 64-wide ones, benchmarks/results/moe_tiles_h200.txt).
-    measured_despite_spill = target == "sm90"
+    # model's); on sm90, MXFP4's gate/up and down GEMMs, whose 128-wide tiles spill
+    # (56 to 872 bytes) and still measured fastest on an H200 (1.7x to 6.4x over
+    # the 32- and 64-wide ones, benchmarks/results/moe_tiles_h200.txt), and the FP8
+    # MLA decode at 4 warps, 2 stages (176 bytes), measured fastest there: 1.10x
+    # faster than any 8-warp configuration (benchmarks/results/mla_sweep_h200.txt).
+    def measured_despite_spill(launch: str) -> bool:
+        return target == "sm90" and (
+            "mxfp4" in launch or launch == "mla fp8 cache, bf16 q: _mla_decode_partial"
+        )
+
     spilled = {
         r["launch"]: r["spilled"]
         for r in results
         if "fp32 q" not in r["launch"]
-        and not ("mxfp4" in r["launch"] and measured_despite_spill)
+        and not measured_despite_spill(r["launch"])
         and r["spilled"] != 0
     }
     assert not spilled, spilled

@@ -76,6 +76,19 @@ def test_decode_matches_reference(dtype, lens, heads, page_size):
     _compare(q, cache, table, seq_lens, kv_scale=0.25)
 
 
+@pytest.mark.parametrize(
+    ("page_size", "block_n"),
+    [(16, 32), (16, 64), (48, 16), (64, 64), (64, 16)],
+)
+def test_tiles_within_a_page_and_across_pages(page_size, block_n):
+    """A tile inside one page reads the block table once; a tile longer than a
+    page, or a page not a multiple of the tile, reads it per token."""
+    q, cache, table, lens = _setup(
+        [130, 64, 1], heads=16, rows=2, page_size=page_size, dtype=FP8[0]
+    )
+    _compare(q, cache, table, lens, block_n=block_n, num_splits=3)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_split_kv_merge(splits):
     q, cache, table, lens = _setup(
@@ -236,16 +249,19 @@ def test_the_bf16_weight_rounding_bound_is_reached():
     assert 2**-9 < error <= 2**-8
 
 
-def test_the_default_split_count_fills_whole_waves(monkeypatch):
-    """On a GPU of 132 multiprocessors (an H200): one long sequence takes a split
-    per multiprocessor, not more; 32 sequences take 4 splits (128 programs, one
-    wave) rather than 9 (three waves, measured 1.33x slower); 128 sequences one; no
-    split under 256 tokens. Off a GPU, at most 16."""
+def test_the_default_split_count_keeps_two_programs_on_each_multiprocessor(
+    monkeypatch,
+):
+    """On a GPU of 132 multiprocessors (an H200): 264 programs in all, the count the
+    H200 sweep found fastest (one 128k sequence: 264 splits; 32 sequences: 9 splits,
+    where 4 were 1.55x slower); at least one split a sequence; no split under 256
+    tokens. Off a GPU, at most 16."""
     monkeypatch.setattr(kernel, "_multiprocessors", lambda device: 132)
     gpu = torch.device("cuda")
-    assert kernel.default_num_splits(131072, 1, gpu) == 132
-    assert kernel.default_num_splits(131072, 32, gpu) == 4
-    assert kernel.default_num_splits(131072, 128, gpu) == 1
+    assert kernel.default_num_splits(131072, 1, gpu) == 264
+    assert kernel.default_num_splits(131072, 32, gpu) == 9
+    assert kernel.default_num_splits(32768, 128, gpu) == 3
+    assert kernel.default_num_splits(32768, 1024, gpu) == 1
     assert kernel.default_num_splits(600, 1, gpu) == 3  # 256-token splits at least
     assert kernel.default_num_splits(100, 1, gpu) == 1
     cpu = torch.device("cpu")

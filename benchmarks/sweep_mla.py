@@ -1,0 +1,115 @@
+"""Launch-configuration sweep of the MLA decode kernel on a GPU (FP8 cache, bf16
+queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
+``bench_kernels.py`` times it.
+
+1. Tile, pipeline and warps: ``block_n`` 32/64, ``num_stages`` 1-4, 4/8 warps, each
+   at the default split count and at 2x and 4x of it, over four batch x context
+   shapes; prints every configuration's time per shape.
+2. Split counts: for the fastest configuration of part 1, every split count from 1
+   to 2 per multiprocessor on each shape, against ``default_num_splits``.
+
+    python benchmarks/sweep_mla.py    # on a CUDA / ROCm GPU; about 2 minutes
+
+``mla_decode``'s defaults (``DEFAULT_BLOCK_N``, ``DEFAULT_STAGES``, the warps,
+``default_num_splits``) are set from its output, kept in
+``benchmarks/results/mla_sweep_h200.txt``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import time
+
+import torch
+from bench_kernels import timed
+
+from k3_triton_kernels import mla_decode as k
+
+HEADS, PAGE, WIDTH = 16, 64, 576
+SHAPES = ((1, 131072), (32, 32768), (128, 32768), (32, 131072))
+
+
+def microseconds(run) -> float:
+    return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
+
+
+def inputs(batch: int, context: int, device):
+    pages = math.ceil(context / PAGE)
+    cache = torch.randn(batch * pages, PAGE, WIDTH, device=device).to(k.FP8_DTYPES[0])
+    table = torch.arange(batch * pages, device=device, dtype=torch.int32)
+    lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    q = torch.randn(batch, 1, HEADS, WIDTH, device=device, dtype=torch.bfloat16)
+    return q, cache, table.view(batch, pages), lens
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    started = time.time()
+    cases = {shape: inputs(*shape, device) for shape in SHAPES}
+    hbm = {
+        shape: shape[0] * shape[1] * WIDTH for shape in SHAPES
+    }  # the FP8 cache bytes
+    defaults = {
+        shape: k.default_num_splits(shape[1], shape[0], device) for shape in SHAPES
+    }
+    print("defaults (splits):", {f"B={b} ctx={c}": s for (b, c), s in defaults.items()})
+    results = []
+    for block_n, stages, warps in itertools.product((32, 64), (1, 2, 3, 4), (4, 8)):
+        line = []
+        total = 0.0
+        for shape, (q, cache, table, lens) in cases.items():
+            best = None
+            for factor in (1, 2, 4):
+                run = functools.partial(
+                    k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
+                    num_splits=defaults[shape] * factor, block_n=block_n,
+                    num_stages=stages, num_warps=warps,
+                )  # fmt: skip
+                try:
+                    us = microseconds(run)
+                except Exception as error:  # out of resources: report, go on
+                    print(f"bn{block_n} s{stages} w{warps}: {type(error).__name__}")
+                    us = math.inf
+                if best is None or us < best[0]:
+                    best = (us, factor)
+            total += best[0] / min(1e9, hbm[shape] / 4.8e12 * 1e6)
+            tbs = hbm[shape] / best[0] / 1e6
+            line.append(
+                f"B={shape[0]} ctx={shape[1]} {best[0]:.0f}us x{best[1]} {tbs:.2f}TB/s"
+            )
+        results.append((total, block_n, stages, warps))
+        print(
+            f"bn{block_n} stages{stages} warps{warps}: " + "; ".join(line), flush=True
+        )
+    results.sort()
+    _, block_n, stages, warps = results[0]
+    print(f"fastest: block_n {block_n}, {stages} stages, {warps} warps", flush=True)
+    for shape, (q, cache, table, lens) in cases.items():
+        most = min(2 * sms, math.ceil(shape[1] / k.MIN_SPLIT_TOKENS))
+        counts = sorted(
+            {1, 2, 4, 8, 16, 32, 48, 64, 96, 128, sms, 2 * sms, defaults[shape]}
+        )
+        timings = []
+        for splits in (s for s in counts if s <= most):
+            run = functools.partial(
+                k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
+                num_splits=splits, block_n=block_n, num_stages=stages,
+                num_warps=warps,
+            )  # fmt: skip
+            timings.append((microseconds(run), splits))
+        default_us = dict((s, t) for t, s in timings).get(defaults[shape])
+        timings.sort()
+        print(
+            f"B={shape[0]} ctx={shape[1]}: default {defaults[shape]} splits "
+            f"{default_us:.0f}us; fastest "
+            + ", ".join(f"{s} splits {t:.0f}us" for t, s in timings[:4]),
+            flush=True,
+        )
+    print(f"elapsed {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
