@@ -145,8 +145,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
     kernels skip them."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
-    capacity = -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
-    capacity *= block_m
+    capacity = group_capacity(pairs, num_experts, block_m)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
@@ -173,6 +172,11 @@ except ImportError:  # pragma: no cover
     triton = None
 
 FORMATS = {"fp8": 0, "mxfp4": 1, "fp8-block": 2}
+# Where each e4m3 flavour's subnormals end, and their steps per unit.
+E4M3_RANGES = {
+    torch.float8_e4m3fn: {"MIN_NORMAL": 2.0**-6, "SUBNORMAL_STEPS": 2.0**9},
+    torch.float8_e4m3fnuz: {"MIN_NORMAL": 2.0**-7, "SUBNORMAL_STEPS": 2.0**10},
+}
 # The K span of one weight scale (per-channel FP8 has one scale for all of K).
 SCALE_SPAN = {"mxfp4": 32, "fp8-block": 128}
 
@@ -243,6 +247,131 @@ if triton is not None:
         return values, scale
 
     @triton.jit
+    def _plan_expert_blocks(
+        ids_ptr,
+        rows_ptr,
+        block_expert_ptr,
+        cursor_ptr,
+        used_rows_ptr,
+        pairs,
+        capacity,
+        num_experts,
+        BLOCK_M: tl.constexpr,
+        BINS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCKS_A_STEP: tl.constexpr,
+    ):
+        """One program: count the pairs of each expert, pad each group to
+        ``BLOCK_M`` rows, and write where each group starts (``cursor``), the rows
+        used, every block's expert, and -1 in every row."""
+        counts = tl.zeros((BINS,), tl.int32)
+        for p0 in range(0, pairs, CHUNK):
+            p = p0 + tl.arange(0, CHUNK)
+            expert = tl.load(ids_ptr + p, mask=p < pairs, other=num_experts)
+            expert = expert.to(tl.int32)
+            # Out-of-range ids (and the tail) count in a spare bin: never placed.
+            expert = tl.where((expert >= 0) & (expert < num_experts), expert, BINS - 1)
+            counts += tl.histogram(expert, BINS)
+        bins = tl.arange(0, BINS)
+        counts = tl.where(bins < num_experts, counts, 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        tl.store(cursor_ptr + bins, ends - padded)
+        tl.store(used_rows_ptr, tl.sum(padded, 0))
+        for r0 in range(0, capacity, CHUNK):
+            r = r0 + tl.arange(0, CHUNK)
+            tl.store(rows_ptr + r, tl.full((CHUNK,), -1, tl.int32), mask=r < capacity)
+        blocks = capacity // BLOCK_M
+        for b0 in range(0, blocks, BLOCKS_A_STEP):
+            b = b0 + tl.arange(0, BLOCKS_A_STEP)
+            # The block's expert: how many groups end at or before its first row.
+            ended = (ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32)
+            expert = tl.minimum(tl.sum(ended, axis=1), num_experts - 1)
+            tl.store(block_expert_ptr + b, expert, mask=b < blocks)
+
+    @triton.jit
+    def _place_pairs(
+        ids_ptr, rows_ptr, cursor_ptr, pairs, num_experts, CHUNK: tl.constexpr
+    ):
+        """Each pair takes the next row of its expert's group (in no set order
+        within the group: each row's GEMM result does not depend on its place)."""
+        p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + p, mask=p < pairs, other=0).to(tl.int32)
+        placed = (p < pairs) & (expert >= 0) & (expert < num_experts)
+        row = tl.atomic_add(cursor_ptr + expert, 1, mask=placed)
+        tl.store(rows_ptr + row, p, mask=placed)
+
+    @triton.jit
+    def _round_to_e4m3(x, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEPS: tl.constexpr):
+        """``x`` (fp32, within the format's range) rounded to the nearest e4m3 value,
+        ties to even, as fp32 (so the cast that follows is exact). Exact integer and
+        power-of-two arithmetic: the interpreter's own fp32 -> fp8 cast loses the
+        carry into the next binade (124.3 becomes 64). ``MIN_NORMAL``: the smallest
+        normal value; ``SUBNORMAL_STEPS``: subnormal steps per unit."""
+        magnitude = tl.abs(x)
+        bits = magnitude.to(tl.uint32, bitcast=True)
+        # Normal: keep 3 of fp32's 23 mantissa bits.
+        normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        normal = normal.to(tl.float32, bitcast=True)
+        steps = magnitude * SUBNORMAL_STEPS  # exact: a power of two, below 2^4
+        whole = steps.to(tl.int32)
+        fraction = steps - whole.to(tl.float32)
+        up = (fraction > 0.5) | ((fraction == 0.5) & ((whole & 1) == 1))
+        subnormal = (whole + up.to(tl.int32)).to(tl.float32) * (1.0 / SUBNORMAL_STEPS)
+        rounded = tl.where(magnitude >= MIN_NORMAL, normal, subnormal)
+        return tl.where(x < 0, -rounded, rounded)
+
+    @triton.jit
+    def _quantize_rows(
+        x_ptr,
+        out_ptr,
+        scale_ptr,
+        rows_ptr,
+        used_rows_ptr,
+        cols,
+        stride_x,
+        stride_out,
+        fp8_max,
+        SKIP_UNUSED: tl.constexpr,
+        MIN_NORMAL: tl.constexpr,
+        SUBNORMAL_STEPS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """``quantize_per_row`` of one row: ``scale = max(max|x|, 1e-12) / fp8_max``,
+        ``x / scale`` clamped and rounded to FP8 (IEEE division, as the reference).
+        ``SKIP_UNUSED``: a padding row (``rows`` -1, or past ``used_rows``) is left
+        as it is; the down GEMM masks it."""
+        row = tl.program_id(0)
+        if SKIP_UNUSED:
+            if row >= tl.load(used_rows_ptr):
+                return
+            if tl.load(rows_ptr + row) < 0:
+                return
+        base = x_ptr + row.to(tl.int64) * stride_x
+        peak = tl.zeros((BLOCK,), tl.float32)
+        for c0 in range(0, cols, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            x = tl.load(base + c, mask=c < cols, other=0.0).to(tl.float32)
+            peak = tl.maximum(peak, tl.abs(x))
+        scale = tl.math.div_rn(tl.maximum(tl.max(peak, axis=0), 1e-12), fp8_max)
+        out = out_ptr + row.to(tl.int64) * stride_out
+        for c0 in range(0, cols, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            x = tl.load(base + c, mask=c < cols, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+            q = _round_to_e4m3(q, MIN_NORMAL, SUBNORMAL_STEPS)
+            tl.store(out + c, q.to(out_ptr.dtype.element_ty), mask=c < cols)
+        tl.store(scale_ptr + row, scale)
+
+    @triton.jit
+    def _channel_scale(s_ptr, expert, n, stride_se, stride_sn, n_mask):
+        """Per-channel FP8's scales of output rows ``n``, as a ``[1, BLOCK_N]`` row."""
+        scale = tl.load(
+            s_ptr + expert * stride_se + n * stride_sn, mask=n_mask, other=0.0
+        )
+        return scale[None, :]
+
+    @triton.jit
     def _block_rows(rows_ptr, block_expert_ptr, top_k, BLOCK_M: tl.constexpr):
         """This program's padded rows: (row, pair, valid, token, expert)."""
         block = tl.program_id(0)
@@ -250,7 +379,9 @@ if triton is not None:
         pair = tl.load(rows_ptr + m)
         valid = pair >= 0
         token = tl.where(valid, pair // top_k, 0)
-        return m, pair, valid, token, tl.load(block_expert_ptr + block)
+        # int64 offsets: an expert's weights start past 2^31 bytes at K3's sizes.
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        return m.to(tl.int64), pair, valid, token.to(tl.int64), expert
 
     @triton.jit
     def _gate_up_situ(
@@ -305,9 +436,20 @@ if triton is not None:
                 stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
                 a_ptr.dtype.element_ty, FMT,
             )  # fmt: skip
-            # FP8 x FP8 products are exact in the fp32 accumulator.
-            gate += tl.dot(a, tl.trans(w_gate), out_dtype=tl.float32) * s_gate[None, :]
-            up += tl.dot(a, tl.trans(w_up), out_dtype=tl.float32) * s_up[None, :]
+            # FP8 x FP8 products are exact in the fp32 accumulator. A per-channel
+            # scale holds over all of K: it is applied once, after the loop, and
+            # the dots accumulate in place.
+            if FMT == 0:
+                gate = tl.dot(a, tl.trans(w_gate), gate, out_dtype=tl.float32)
+                up = tl.dot(a, tl.trans(w_up), up, out_dtype=tl.float32)
+            else:
+                gate += (
+                    tl.dot(a, tl.trans(w_gate), out_dtype=tl.float32) * s_gate[None, :]
+                )
+                up += tl.dot(a, tl.trans(w_up), out_dtype=tl.float32) * s_up[None, :]
+        if FMT == 0:
+            gate *= _channel_scale(s_ptr, expert, n, stride_se, stride_sn, n_mask)
+            up *= _channel_scale(s_ptr, expert, n + inner, stride_se, stride_sn, n_mask)
         a_scale = tl.load(a_scale_ptr + token, mask=valid, other=0.0)
         gate = gate * a_scale[:, None]
         up = up * a_scale[:, None]
@@ -367,7 +509,12 @@ if triton is not None:
                 stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
                 h_ptr.dtype.element_ty, FMT,
             )  # fmt: skip
-            acc += tl.dot(h, tl.trans(w), out_dtype=tl.float32) * w_scale[None, :]
+            if FMT == 0:
+                acc = tl.dot(h, tl.trans(w), acc, out_dtype=tl.float32)
+            else:
+                acc += tl.dot(h, tl.trans(w), out_dtype=tl.float32) * w_scale[None, :]
+        if FMT == 0:
+            acc *= _channel_scale(s_ptr, expert, n, stride_se, stride_sn, n_mask)
         h_scale = tl.load(h_scale_ptr + m, mask=valid, other=0.0)
         routing = tl.load(routing_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
         acc = acc * (h_scale * routing)[:, None]
@@ -376,6 +523,63 @@ if triton is not None:
             acc,
             mask=valid[:, None] & n_mask[None, :],
         )
+
+
+def group_capacity(pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows that hold any routing of ``pairs`` pairs grouped by expert: each used
+    expert's group pads by at most ``block_m - 1`` rows."""
+    capacity = -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
+    return capacity * block_m
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+    """``sort_by_expert`` in two Triton launches, nothing read back: the same
+    ``(rows, block_expert, used_rows)`` except the order of the pairs within an
+    expert's group (which the GEMMs do not depend on); ``rows`` is int32."""
+    flat = ids.reshape(-1).contiguous()
+    pairs = flat.numel()
+    capacity = group_capacity(pairs, num_experts, block_m)
+    device = ids.device
+    rows = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(bins, dtype=torch.int32, device=device)
+    used_rows = torch.empty(1, dtype=torch.int32, device=device)
+    _plan_expert_blocks[(1,)](
+        flat, rows, block_expert, cursor, used_rows, pairs, capacity, num_experts,
+        BLOCK_M=block_m, BINS=bins, CHUNK=1024,
+        BLOCKS_A_STEP=max(1, min(64, 8192 // bins)),
+    )  # fmt: skip
+    if pairs:
+        _place_pairs[(triton.cdiv(pairs, 1024),)](
+            flat, rows, cursor, pairs, num_experts, CHUNK=1024
+        )
+    return rows, block_expert, used_rows
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    rows: torch.Tensor | None = None,
+    used_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_row`` of a 2-D ``x`` in one Triton pass. With ``rows`` and
+    ``used_rows`` (``sort_by_expert``'s), padding rows are skipped: their values
+    and scales are left unset."""
+    count, cols = x.shape
+    values = torch.empty(count, cols, dtype=dtype, device=x.device)
+    scale = torch.empty(count, dtype=torch.float32, device=x.device)
+    if count == 0:
+        return values, scale
+    skip = rows is not None
+    _quantize_rows[(count,)](
+        x, values, scale, rows if skip else scale, used_rows if skip else scale,
+        cols, x.stride(0), values.stride(0), float(torch.finfo(dtype).max),
+        SKIP_UNUSED=skip, BLOCK=min(1024, triton.next_power_of_2(cols)),
+        **E4M3_RANGES[dtype],
+    )  # fmt: skip
+    return values, scale
 
 
 def _unsupported(z: torch.Tensor, experts: ExpertWeights) -> str | None:
@@ -412,6 +616,7 @@ def latent_moe(
     block_k: int | None = None,
     fp8_dtype: torch.dtype | None = None,
     num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
     the reference). ``fp8_dtype``: the activations' FP8 dtype for MXFP4 weights.
@@ -440,12 +645,16 @@ def latent_moe(
     num_experts = experts.w13.shape[0]
     inner = experts.w13.shape[1] // 2
     fmt = FORMATS[experts.fmt]
-    z_q, z_scale = quantize_per_row(z, dtype)
-    rows, block_expert, used_rows = sort_by_expert(ids, num_experts, block_m)
+    z_q, z_scale = quantize_rows(z.contiguous(), dtype)
+    rows, block_expert, used_rows = group_by_expert(ids, num_experts, block_m)
     out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
     if rows.numel() == 0:
         return out
-    h = torch.zeros(rows.numel(), inner, dtype=torch.float32, device=z.device)
+    # Padding rows of h are never written, quantized or read.
+    h = torch.empty(rows.numel(), inner, dtype=torch.float32, device=z.device)
+    launch = {"num_warps": num_warps}
+    if num_stages is not None:  # else Triton's default for the platform
+        launch["num_stages"] = num_stages
     w13, s13 = experts.w13, experts.w13_scale
     grid = (rows.numel() // block_m, triton.cdiv(inner, block_n))
     _gate_up_situ[grid](
@@ -453,10 +662,9 @@ def latent_moe(
         z_q.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         h.stride(0), beta, linear_beta,
         FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+        **launch,
     )  # fmt: skip
-    h_q, h_scale = quantize_per_row(h, dtype)
-    h_scale = torch.where(rows >= 0, h_scale, torch.zeros_like(h_scale))
+    h_q, h_scale = quantize_rows(h, dtype, rows=rows, used_rows=used_rows)
     w2, s2 = experts.w2, experts.w2_scale
     routing = weights.reshape(-1).float().contiguous()
     grid = (rows.numel() // block_m, triton.cdiv(latent, block_n))
@@ -466,7 +674,7 @@ def latent_moe(
         h_q.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0),
         FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+        **launch,
     )  # fmt: skip
     return out
 

@@ -63,6 +63,7 @@ def test_every_launch_compiles_for_the_target(target):
     assert not failed, json.dumps(failed, indent=1)[:4000]
     # Every launcher reached its kernels (none fell back before launching).
     assert {r["launch"] for r in results} == LAUNCHES
+
     # The model's launches keep their registers: a spill costs memory traffic on
     # every tile. Not counted: the fp32-query MLA path (the tests', not a GPU
     # model's); on sm90, MXFP4's gate/up and down GEMMs, whose 128-wide tiles spill

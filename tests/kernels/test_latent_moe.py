@@ -19,7 +19,12 @@ import torch
 
 from k3_triton_kernels import latent_moe as moe
 from tests.host_reads import HostRead, no_host_reads
-from tests.kernels.placement import FNUZ_RUNS_HERE, on_device
+from tests.kernels.placement import (
+    DEVICE,
+    FNUZ_RUNS_HERE,
+    OCP_FP8_RUNS_HERE,
+    on_device,
+)
 from vllm_k3_plugin.model.reference import route, situ_glu
 
 
@@ -82,17 +87,25 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
     kernel's own requantized intermediate."""
     z, ids, weights, w13, w2 = _case(tokens, experts, top_k)
     packed = BUILDERS[fmt](w13, w2)
-    quantized, quantize = [], moe.quantize_per_row
+    quantized, quantize = [], moe.quantize_rows
 
-    def recording(x, dtype=moe.FP8):
-        values, scale = quantize(x, dtype)
+    def recording(x, dtype, **padding):
+        values, scale = quantize(x, dtype, **padding)
         quantized.append((x.clone(), values, scale))
         return values, scale
 
-    monkeypatch.setattr(moe, "quantize_per_row", recording)
+    groups, group = [], moe.group_by_expert
+
+    def recording_groups(*args):
+        groups.append(group(*args))
+        return groups[-1]
+
+    monkeypatch.setattr(moe, "quantize_rows", recording)
+    monkeypatch.setattr(moe, "group_by_expert", recording_groups)
     got = moe.latent_moe(z, ids, weights, packed)
     (_, z_q, z_scale), (h, h_q, h_scale) = quantized  # z's, then the intermediate's
-    rows, block_expert, _ = moe.sort_by_expert(ids, experts, block_m=16)
+    ((rows, block_expert, _),) = groups  # the kernel's own order of the pairs
+    rows, block_expert = rows.long(), block_expert.long()
     pairs = rows[rows >= 0]
     expert_of_row = block_expert.repeat_interleave(16)[rows >= 0]
     token = pairs // top_k
@@ -112,6 +125,56 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
 
 
 FNUZ = torch.float8_e4m3fnuz
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block_m"),
+    [
+        (0, 8, 2, 16),
+        (1, 8, 2, 16),
+        (33, 16, 4, 16),
+        (4, 896, 16, 16),
+        (300, 112, 16, 64),
+    ],
+)
+def test_grouping_kernel_forms_the_reference_groups(tokens, experts, top_k, block_m):
+    """The Triton grouping gives the reference's blocks: the same rows used, the
+    same expert for every block, and in each block the same pairs (their order
+    within a group is free: atomics place them)."""
+    torch.manual_seed(tokens)
+    ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+    for token in range(tokens):
+        ids[token] = torch.randperm(experts)[:top_k]
+    want_rows, want_experts, want_used = moe.sort_by_expert(ids, experts, block_m)
+    rows, block_expert, used = (
+        t.cpu() for t in moe.group_by_expert(ids.to(DEVICE), experts, block_m)
+    )
+    assert rows.shape == want_rows.shape and int(used) == int(want_used)
+    assert torch.equal(block_expert.long(), want_experts)
+    blocks = rows.long().view(-1, block_m).sort(dim=1).values
+    assert torch.equal(blocks, want_rows.view(-1, block_m).sort(dim=1).values)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [d for d, runs in zip(moe.FP8_DTYPES, (OCP_FP8_RUNS_HERE, FNUZ_RUNS_HERE)) if runs],
+    ids=str,
+)
+def test_row_quantization_kernel_is_bit_exact(dtype):
+    """The Triton row quantizer gives the reference's FP8 values and scales bit for
+    bit, across 11 decades (subnormals included), on exact ties and on the values
+    that round up into the next binade."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 1000) * torch.logspace(-8, 3, 1000)
+    fp8_max = torch.finfo(dtype).max
+    grid = torch.arange(-fp8_max, fp8_max + 1, 0.5)
+    x[0, : grid.numel()] = grid[:1000]  # every half-step tie from -max up
+    x[1, :4] = torch.tensor([fp8_max, 124.3, -124.3, 0.0])
+    x[2] = 0.0  # an all-zero row: the 1e-12 floor
+    values, scale = moe.quantize_rows(x.to(DEVICE), dtype)
+    want_values, want_scale = moe.quantize_per_row(x, dtype)
+    assert torch.equal(scale.cpu(), want_scale)
+    assert torch.equal(values.cpu().float(), want_values.float())
 
 
 @pytest.mark.skipif(not FNUZ_RUNS_HERE, reason="e4m3fnuz runs on gfx94x only")
