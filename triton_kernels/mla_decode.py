@@ -13,18 +13,21 @@ Shapes (Kimi-K3: ``H`` = 96 heads before TP, latent ``DV`` = 512, ``DPE`` = 64):
 - returns ``(out [B, Q, H, DV] fp32, lse [B, Q, H] fp32)``; the values are the first
   ``DV`` channels of the cache (the normalized ``c_kv``).
 
-Dots: with a ``bfloat16`` query over an FP8 or ``bfloat16`` cache (the model's case on
-a GPU), both dots run on bf16 tensor cores with fp32 accumulation: the query and every
-cache value are exact in bf16 (an e4m3 value has 3 mantissa bits), the layer's scale
-is applied to the scores and the output instead of the values, and the softmax
-weights are rounded to bf16 (ties to even) for the value dot while their sum stays
-fp32. The output then differs from the reference by at most ``2^-8 · max|value|``
-(each weight within ``2^-8`` relative; the weights sum to one) plus fp32 summation
-order; the LSE by summation order only. Any other dtype pair runs fp32 dots
-(``ieee``), differing from the reference by summation order only; on a GPU they run
-without tensor cores, several times slower. Under ``TRITON_INTERPRET=1`` (whose bf16
-``tl.dot`` is not usable) the bf16 path rounds the same operands and multiplies them
-as exact fp32 values, which is what the tensor cores compute.
+Dots (``dot_format``): with a ``bfloat16`` query over an FP8 cache (the model's case
+on a GPU), both dots run on fp16 tensor cores with fp32 accumulation: every e4m3
+value is exact in fp16 (and a GPU converts e4m3 to fp16 in one instruction a pair,
+where bf16 takes a detour through fp16 or fp32), the query enters divided by 2^8
+(exact in fp16 for every magnitude from 2^-9 to 2^24), the layer's scale is applied
+to the scores and the output instead of the values, and the softmax weights, as
+``p · 2^15``, are rounded to fp16 (ties to even) for the value dot while their sum
+stays fp32. The output then differs from the reference by at most
+``2^-11 · max|value|`` plus fp32 summation order; the LSE by summation order only.
+Over a ``bfloat16`` cache the same holds with bf16 operands and ``2^-8``. Any other
+dtype pair runs fp32 dots (``ieee``), differing from the reference by summation
+order only; on a GPU they run without tensor cores, several times slower. Under
+``TRITON_INTERPRET=1`` (whose bf16 and fp16 ``tl.dot`` are not usable) the
+operands are rounded the same way and multiplied as exact fp32 values, which is
+what the tensor cores compute.
 """
 
 from __future__ import annotations
@@ -115,6 +118,8 @@ except ImportError:  # pragma: no cover - the CPU path needs no Triton
 
 
 if triton is not None:
+    FP16_QUERY_SCALE = tl.constexpr(2.0**-8)
+    FP16_WEIGHT_SCALE = tl.constexpr(2.0**15)
 
     @triton.jit
     def _round_to_bf16(x):
@@ -125,11 +130,20 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _dot(a, b, BF16_DOTS: tl.constexpr, INTERPRETED: tl.constexpr):
-        """``a @ b`` into fp32. ``BF16_DOTS``: every operand value is exact in bf16;
-        on a GPU the dot runs on bf16 tensor cores."""
-        if BF16_DOTS and not INTERPRETED:
+    def _dot(a, b, DOTS: tl.constexpr, INTERPRETED: tl.constexpr):
+        """``a @ b`` into fp32. ``DOTS`` 1: every operand value is exact in bf16, and
+        on a GPU the dot runs on bf16 tensor cores; 2: the operands are rounded to
+        fp16 (ties to even) and multiplied on fp16 tensor cores; 0: fp32. The
+        interpreter multiplies the same rounded operands as exact fp32 values
+        (fp16 and bf16 products are exact in fp32), as the tensor cores do."""
+        if DOTS == 1 and not INTERPRETED:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        if DOTS == 2:
+            if INTERPRETED:
+                a = a.to(tl.float16).to(tl.float32)
+                b = b.to(tl.float16).to(tl.float32)
+            else:
+                return tl.dot(a.to(tl.float16), b.to(tl.float16))
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
     @triton.jit
@@ -162,7 +176,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PAGE_TILES: tl.constexpr,
-        BF16_DOTS: tl.constexpr,
+        DOTS: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
         row = tl.program_id(0)  # b * rows + r
@@ -186,6 +200,13 @@ if triton is not None:
         q_nope = tl.load(q_base + dv[None, :], mask=h_mask[:, None], other=0.0)
         q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0)
         score_scale = softmax_scale * kv_scale
+        if DOTS == 2:
+            # fp16 dots: the query enters as q / 2^8, so that any bf16 query up to
+            # 2^24 stays finite in fp16 (exact from 2^-9 up); the scores are
+            # scaled back.
+            q_nope = (q_nope.to(tl.float32) * FP16_QUERY_SCALE).to(tl.float16)
+            q_pe = (q_pe.to(tl.float32) * FP16_QUERY_SCALE).to(tl.float16)
+            score_scale = score_scale / FP16_QUERY_SCALE
 
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         denom = tl.zeros((BLOCK_H,), tl.float32)
@@ -218,24 +239,32 @@ if triton is not None:
                 token_base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0
             )
             k_pe = tl.load(
-                token_base[:, None] + DV + dpe[None, :], mask=n_mask[:, None], other=0.0
+                token_base[:, None] + DV + dpe[None, :],
+                mask=n_mask[:, None],
+                other=0.0,
             )
-            scores = _dot(q_nope, tl.trans(k_nope), BF16_DOTS, INTERPRETED)
-            scores += _dot(q_pe, tl.trans(k_pe), BF16_DOTS, INTERPRETED)
+            scores = _dot(q_nope, tl.trans(k_nope), DOTS, INTERPRETED)
+            scores += _dot(q_pe, tl.trans(k_pe), DOTS, INTERPRETED)
             scores = tl.where(n_mask[None, :], scores * score_scale, float("-inf"))
             new_m = tl.maximum(m, tl.max(scores, axis=1))
             rescale = tl.exp(m - new_m)
             p = tl.exp(scores - new_m[:, None])
             denom = denom * rescale + tl.sum(p, axis=1)
-            if BF16_DOTS:
+            if DOTS == 1:
                 p = _round_to_bf16(p)
-            acc = acc * rescale[:, None] + _dot(p, k_nope, BF16_DOTS, INTERPRETED)
+            if DOTS == 2:
+                # Weights in (0, 1] as p * 2^15: none is lost below fp16's
+                # smallest subnormal (2^-24) above 2^-39.
+                p = p * FP16_WEIGHT_SCALE
+            acc = acc * rescale[:, None] + _dot(p, k_nope, DOTS, INTERPRETED)
             m = new_m
 
         has_tokens = end > start
         safe_denom = tl.where(has_tokens, denom, 1.0)
         lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
         out = acc * (kv_scale / safe_denom[:, None])
+        if DOTS == 2:
+            out = out / FP16_WEIGHT_SCALE
         tl.store(
             mid_out_ptr
             + row * stride_mo_row
@@ -355,10 +384,24 @@ def default_block_n(page_size: int) -> int:
     return DEFAULT_BLOCK_N
 
 
-def bf16_dots(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether the dots run on bf16 operands: every query and cache value is exact
-    in bf16."""
-    return q.dtype == torch.bfloat16 and cache.dtype in (*FP8_DTYPES, torch.bfloat16)
+DOTS = {"fp32": 0, "bf16": 1, "fp16": 2}
+
+
+# Another format a bf16 query over an FP8 cache may take: bf16 (e4m3 is exact there
+# too; on sm90 it costs a second conversion per value, e4m3 -> fp16 -> bf16).
+FP8_ALTERNATIVES = {"fp16": ("bf16",)}
+
+
+def dot_format(q: torch.Tensor, cache: torch.Tensor) -> str:
+    """The operands of the kernel's dots: ``"fp16"`` for a bf16 query over an FP8
+    cache (every e4m3 value is exact in fp16, and the GPU converts e4m3 to fp16 in
+    one instruction per pair), ``"bf16"`` for a bf16 query over a bf16 cache, else
+    ``"fp32"``."""
+    if q.dtype != torch.bfloat16:
+        return "fp32"
+    if cache.dtype in FP8_DTYPES:
+        return "fp16"
+    return "bf16" if cache.dtype == torch.bfloat16 else "fp32"
 
 
 def mla_decode(
@@ -377,12 +420,15 @@ def mla_decode(
     block_n: int | None = None,
     num_stages: int | None = None,
     num_warps: int | None = None,
+    dots: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; the Triton kernels where they apply, else the reference with
     a one-time log line naming why. ``max_seq_len`` (a host int, at least
     ``seq_lens.max()``) sizes the split-KV grid without reading ``seq_lens`` back
     from the device. ``reference_because``: take the reference, logging this
-    reason (the caller's setting)."""
+    reason (the caller's setting). ``dots``: the dots' operand format, by default
+    ``dot_format``'s; an FP8 cache under a bf16 query also takes ``"bf16"`` (its
+    values are exact there too), and any pair ``"fp32"``."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(192)
     reason = reference_because or _unsupported(q, cache, value_dim)
@@ -400,6 +446,13 @@ def mla_decode(
     batch, rows, heads, _ = q.shape
     rope = q.shape[-1] - value_dim
     page_size = cache.shape[1]
+    fitting = dot_format(q, cache)
+    if dots is None:
+        dots = fitting
+    elif dots not in {"fp32", fitting, *FP8_ALTERNATIVES.get(fitting, ())}:
+        raise ValueError(
+            f"{dots} dots for a {q.dtype} query over a {cache.dtype} cache"
+        )
     if block_n is None:
         block_n = default_block_n(page_size)
     if max_seq_len is not None:
@@ -448,7 +501,7 @@ def mla_decode(
             BLOCK_H=block_h,
             BLOCK_N=block_n,
             PAGE_TILES=page_size % block_n == 0,
-            BF16_DOTS=bf16_dots(q, cache),
+            DOTS=DOTS[dots],
             INTERPRETED=interpreted(),
             num_warps=num_warps or platform_warps(nvidia=4, amd=4),
             num_stages=num_stages or DEFAULT_STAGES,

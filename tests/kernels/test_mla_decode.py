@@ -175,31 +175,67 @@ def test_unsupported_shapes_fall_back_to_pytorch_and_say_why(caplog):
     ("lens", "heads", "rows"),
     [([17, 64, 33], 12, 1), ([100], 96, 1), ([20, 9], 12, 8)],
 )
-def test_bf16_queries_run_bf16_dots_within_the_weight_rounding(
+def test_bf16_queries_run_tensor_core_dots_within_the_weight_rounding(
     dtype, lens, heads, rows
 ):
+    """A bf16 query: over an FP8 cache, fp16 dots (weights within 2^-11); over a
+    bf16 cache, bf16 dots (2^-8)."""
     q, cache, table, seq_lens = _setup(
         lens, heads=heads, rows=rows, page_size=16, dtype=dtype, kv_scale=0.25
     )
     q = q.to(torch.bfloat16)
-    assert kernel.bf16_dots(q, cache) and kernel._unsupported(q, cache, 512) is None
+    fmt = "bf16" if dtype == torch.bfloat16 else "fp16"
+    assert kernel.dot_format(q, cache) == fmt
+    assert kernel._unsupported(q, cache, 512) is None
     out, lse = kernel.mla_decode(q, cache, table, seq_lens, kv_scale=0.25)
     ref_out, ref_lse = kernel.mla_decode_reference(
         q, cache, table, seq_lens, value_dim=512, softmax_scale=SCALE, kv_scale=0.25
     )
     largest_value = cache[..., :512].float().abs().max() * 0.25
-    assert (out - ref_out).abs().max() <= 2**-8 * largest_value + 1e-4
+    bound = 2**-8 if fmt == "bf16" else 2**-11
+    assert (out - ref_out).abs().max() <= bound * largest_value + 1e-4
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
     # The weights really are rounded: the fp32 path on the same values differs.
     fp32_out, _ = kernel.mla_decode(q.float(), cache, table, seq_lens, kv_scale=0.25)
-    assert not kernel.bf16_dots(q.float(), cache)
+    assert kernel.dot_format(q.float(), cache) == "fp32"
     assert not torch.equal(out, fp32_out)
+
+
+def test_an_fp8_cache_also_takes_bf16_dots_and_nothing_else_odd():
+    """The bf16 dots over an FP8 cache (every e4m3 value is exact in bf16 too)
+    stay within their 2^-8 bound; a dot format a pair cannot hold is refused."""
+    q, cache, table, lens = _setup([70], heads=16, rows=1, page_size=16, dtype=FP8[0])
+    q = q.to(torch.bfloat16)
+    out, _ = kernel.mla_decode(q, cache, table, lens, dots="bf16")
+    ref_out, _ = kernel.mla_decode_reference(
+        q, cache, table, lens, value_dim=512, softmax_scale=SCALE
+    )
+    largest = cache[..., :512].float().abs().max()
+    assert (out - ref_out).abs().max() <= 2**-8 * largest + 1e-4
+    with pytest.raises(ValueError, match="fp16 dots"):
+        kernel.mla_decode(q.float(), cache, table, lens, dots="fp16")
 
 
 def test_fp16_and_fp32_caches_keep_fp32_dots():
     q = torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16)
     for dtype in (torch.float16, torch.float32):
-        assert not kernel.bf16_dots(q, torch.zeros(1, 1, 576, dtype=dtype))
+        assert kernel.dot_format(q, torch.zeros(1, 1, 576, dtype=dtype)) == "fp32"
+
+
+def test_fp16_dots_keep_every_bf16_query_from_2_to_the_minus_9_to_2_to_the_24():
+    """The query enters the fp16 dots divided by 2^8: bf16 queries over 11 decades
+    (all magnitudes from 2^-9 to 2^23) give the fp32 path's scores, to fp32
+    summation order."""
+    lens = [40]
+    q, cache, table, seq_lens = _setup(
+        lens, heads=16, rows=1, page_size=16, dtype=FP8[0], kv_scale=1.0
+    )
+    q = (q / q.abs() * torch.logspace(-9, 23, q.shape[-1], base=2)).to(torch.bfloat16)
+    # A peaked softmax on one component's scale: compare the LSE, which carries the
+    # scores without the weights' rounding.
+    _, lse = kernel.mla_decode(q, cache, table, seq_lens)
+    _, ref_lse = kernel.mla_decode(q.float(), cache, table, seq_lens)
+    assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-3)
 
 
 def test_weights_round_to_bf16_ties_to_even():
@@ -221,32 +257,37 @@ def test_weights_round_to_bf16_ties_to_even():
     assert torch.equal(out, x.to(torch.bfloat16).float())
 
 
-def test_the_bf16_weight_rounding_bound_is_reached():
-    """200 tokens whose softmax weight (about 0.5019, relative to the top token's)
-    sits just under a bf16 midpoint and rounds to 0.5, all with value +1, and the
-    top token with value -1: the output moves by nearly 2^-8 of the largest value,
-    past 2^-9, within 2^-8."""
+@pytest.mark.parametrize(
+    ("cache_dtype", "weight", "bound"),
+    [(torch.bfloat16, 0.5019, 2**-8), (FP8[0], 0.50024, 2**-11)],
+    ids=["bf16 dots", "fp16 dots"],
+)
+def test_the_weight_rounding_bound_is_reached(cache_dtype, weight, bound):
+    """200 tokens whose softmax weight (relative to the top token's) sits just
+    under a rounding midpoint of the dots' format and rounds down to 0.5, all with
+    value +1, and the top token with value -1: the output moves by nearly the
+    bound (bf16: 2^-8 of the largest value; fp16: 2^-11), past half of it."""
     tokens, page = 201, 16
     pages = -(-tokens // page)
     stored = torch.zeros(tokens, 576)
     stored[0, 512] = 1.0  # the score channel: token 0 scores highest
     stored[:, 0] = 1.0
     stored[0, 0] = -1.0
-    cache = torch.zeros(pages * page, 576, dtype=FP8[0])
-    cache[:tokens] = stored.to(FP8[0])
+    cache = torch.zeros(pages * page, 576, dtype=cache_dtype)
+    cache[:tokens] = stored.to(cache_dtype)
     cache = cache.view(pages, page, 576)
     table = torch.arange(pages, dtype=torch.int32)[None]
     lens = torch.tensor([tokens], dtype=torch.int32)
     q = torch.zeros(1, 1, 16, 576)
     q[..., 512] = 8.0
-    kv_scale = -math.log(0.5019) / (8.0 * SCALE)  # weight e^{-8·scale·kv} = 0.5019
+    kv_scale = -math.log(weight) / (8.0 * SCALE)  # weight e^{-8·scale·kv}
     q, cache, table, lens = (x.to(DEVICE) for x in (q.bfloat16(), cache, table, lens))
     out, _ = kernel.mla_decode(q, cache, table, lens, kv_scale=kv_scale)
     ref_out, _ = kernel.mla_decode_reference(
         q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=kv_scale
     )
     error = (out - ref_out).abs().max() / kv_scale  # the largest value is kv_scale
-    assert 2**-9 < error <= 2**-8
+    assert bound / 2 < error <= bound
 
 
 def test_the_default_split_count_keeps_two_programs_on_each_multiprocessor(
