@@ -5,6 +5,7 @@
 #
 #   benchmarks/gpu_check.sh prepare   # here: copy the vLLM kernel sources to carry
 #   benchmarks/gpu_check.sh           # there, carrying .vllm_src; writes to $OUT
+#   benchmarks/gpu_check.sh sweep     # there: MLA/MoE tests, then the tile sweeps
 #
 # `prepare` copies the vLLM files benchmarks/vllm_baselines.py reads (vLLM's own
 # Triton kernels, run without importing vLLM) from this checkout's .venv into
@@ -39,6 +40,22 @@ PY="${PYTHON:-python3}"
 
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+
+if [[ "${1:-}" == "sweep" ]]; then
+    # The MLA and MoE kernel tests on the GPU, then the launch-configuration sweeps
+    # the defaults are set from.
+    timeout "${TEST_SECONDS:-150}" "$PY" -m pytest -q -p no:cacheprovider \
+        tests/kernels/test_mla_decode.py tests/kernels/test_latent_moe.py 2>&1 \
+        | tee "$OUT/kernel_tests.log"
+    tests=$?
+    timeout "${MLA_SECONDS:-150}" "$PY" benchmarks/sweep_mla.py 2>&1 | tee "$OUT/mla_sweep.txt"
+    mla=$?
+    timeout "${MOE_SECONDS:-180}" "$PY" benchmarks/sweep_moe_tiles.py 2>&1 \
+        | tee "$OUT/moe_tiles.txt"
+    moe=$?
+    echo "kernel tests rc=$tests, MLA sweep rc=$mla, MoE sweep rc=$moe"
+    exit $((tests || mla || moe))
+fi
 # The benchmark first (the figures are what this run is for), then the kernel tests
 # on the GPU; each within its own time, inside the device tool's 600 s a command.
 # The cross-compile test is left out: here the kernels compile and run for real,
@@ -46,8 +63,10 @@ triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 timeout "${BENCH_SECONDS:-330}" "$PY" benchmarks/bench_kernels.py \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
 bench=$?
-timeout "${TEST_SECONDS:-200}" "$PY" -m pytest -q -p no:cacheprovider tests/kernels \
-    --ignore=tests/kernels/test_cross_compile.py 2>&1 | tee "$OUT/kernel_tests.log"
+# TESTS: pytest arguments in place of the whole kernel suite.
+timeout "${TEST_SECONDS:-200}" "$PY" -m pytest -q -p no:cacheprovider \
+    ${TESTS:-tests/kernels} --ignore=tests/kernels/test_cross_compile.py 2>&1 \
+    | tee "$OUT/kernel_tests.log"
 tests=$?
 echo "benchmark rc=$bench, kernel tests rc=$tests"
 exit $((bench || tests))

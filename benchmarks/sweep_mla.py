@@ -2,11 +2,12 @@
 queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 ``bench_kernels.py`` times it.
 
-1. Tile, pipeline and warps: ``block_n`` 32/64, ``num_stages`` 1-4, 4/8 warps, each
-   at the default split count and at 2x and 4x of it, over four batch x context
-   shapes; prints every configuration's time per shape.
-2. Split counts: for the fastest configuration of part 1, every split count from 1
-   to 2 per multiprocessor on each shape, against ``default_num_splits``.
+1. Tile, pipeline, warps and dot operands: ``block_n`` 32/64, ``num_stages`` 2/3,
+   4/8 warps, fp16 (the default) or bf16 dots, each at the default split count and
+   at 2x of it, over four batch x context shapes; prints every configuration's time
+   per shape.
+2. Split counts: for the fastest configuration of part 1, split counts from 1 to 2
+   per multiprocessor on each shape, against ``default_num_splits``.
 
     python benchmarks/sweep_mla.py    # on a CUDA / ROCm GPU; about 2 minutes
 
@@ -57,21 +58,24 @@ def main() -> None:
     }
     print("defaults (splits):", {f"B={b} ctx={c}": s for (b, c), s in defaults.items()})
     results = []
-    for block_n, stages, warps in itertools.product((32, 64), (1, 2, 3, 4), (4, 8)):
+    configs = itertools.product((32, 64), (2, 3), (4, 8), ("fp16", "bf16"))
+    for block_n, stages, warps, dots in configs:
         line = []
         total = 0.0
         for shape, (q, cache, table, lens) in cases.items():
             best = None
-            for factor in (1, 2, 4):
+            for factor in (1, 2):
                 run = functools.partial(
                     k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
                     num_splits=defaults[shape] * factor, block_n=block_n,
-                    num_stages=stages, num_warps=warps,
+                    num_stages=stages, num_warps=warps, dots=dots,
                 )  # fmt: skip
                 try:
                     us = microseconds(run)
                 except Exception as error:  # out of resources: report, go on
-                    print(f"bn{block_n} s{stages} w{warps}: {type(error).__name__}")
+                    print(
+                        f"bn{block_n} s{stages} w{warps} {dots}: {type(error).__name__}"
+                    )
                     us = math.inf
                 if best is None or us < best[0]:
                     best = (us, factor)
@@ -97,7 +101,7 @@ def main() -> None:
             run = functools.partial(
                 k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
                 num_splits=splits, block_n=block_n, num_stages=stages,
-                num_warps=warps,
+                num_warps=warps, dots=dots,
             )  # fmt: skip
             timings.append((microseconds(run), splits))
         default_us = dict((s, t) for t, s in timings).get(defaults[shape])
