@@ -84,18 +84,20 @@ def main() -> None:
             line.append(
                 f"B={shape[0]} ctx={shape[1]} {best[0]:.0f}us x{best[1]} {tbs:.2f}TB/s"
             )
-        results.append((total, block_n, stages, warps))
+        results.append((total, block_n, stages, warps, dots))
         print(
-            f"bn{block_n} stages{stages} warps{warps}: " + "; ".join(line), flush=True
+            f"bn{block_n} stages{stages} warps{warps} {dots}: " + "; ".join(line),
+            flush=True,
         )
     results.sort()
-    _, block_n, stages, warps = results[0]
-    print(f"fastest: block_n {block_n}, {stages} stages, {warps} warps", flush=True)
+    _, block_n, stages, warps, dots = results[0]
+    print(
+        f"fastest: block_n {block_n}, {stages} stages, {warps} warps, {dots} dots",
+        flush=True,
+    )
     for shape, (q, cache, table, lens) in cases.items():
         most = min(2 * sms, math.ceil(shape[1] / k.MIN_SPLIT_TOKENS))
-        counts = sorted(
-            {1, 2, 4, 8, 16, 32, 48, 64, 96, 128, sms, 2 * sms, defaults[shape]}
-        )
+        counts = sorted({1, 2, 4, 8, 16, 64, sms, 2 * sms, defaults[shape]})
         timings = []
         for splits in (s for s in counts if s <= most):
             run = functools.partial(

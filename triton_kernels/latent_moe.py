@@ -589,18 +589,18 @@ def _unsupported(z: torch.Tensor, experts: ExpertWeights) -> str | None:
 
 
 def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
-    """``(block_m, block_n, block_k)`` of the two GEMMs, from a sweep on an H200
-    (``benchmarks/sweep_moe_tiles.py``, ``benchmarks/results/moe_tiles_h200.txt``:
-    K3's 112 experts a device, top-16, latent 3584, inner 3072; block_n 64/128,
-    block_k 64/128 (32 for MXFP4), 4 and 8
-    warps, block_m 16 and, from 256 tokens, 64). The best were FP8 (both scale
-    layouts) 64 x 128 tiles and MXFP4 128 x 32, 4 warps, block_m 16 at 1 and 16
-    tokens and 64 at 256 and 4,096; against the 32 x 32 tiles before, 1.5x to 5x
-    faster (FP8) and 1.7x to 6.4x (MXFP4)."""
-    block_m = 64 if tokens >= 256 else 16
+    """``(block_m, block_n, block_k)`` of the two GEMMs, from sweeps on an H200 of
+    K3's 112 experts a device, top-16, latent 3584, inner 3072
+    (``benchmarks/sweep_moe_tiles.py``, ``benchmarks/results/moe_tiles_h200.txt``).
+
+    FP8 (both scale layouts): 64 x 128 tiles; 128 x 128 for a single token or a
+    few (1 token: 156 µs against 167); block_m 16 under 256 tokens, 64 from 256,
+    128 from 1,024 (4,096 tokens: 7.6 ms against 8.0). MXFP4: 128 x 32 tiles,
+    1.7x to 6.4x faster than 32 x 32 (the first sweep)."""
+    block_m = 128 if tokens >= 1024 else 64 if tokens >= 256 else 16
     if fmt == "mxfp4":
-        return block_m, 128, 32
-    return block_m, 64, 128
+        return min(block_m, 64), 128, 32
+    return block_m, 128 if tokens < 16 else 64, 128
 
 
 def latent_moe(

@@ -357,19 +357,20 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def default_num_splits(longest: int, programs_per_split: int, device) -> int:
-    """KV splits of a decode batch on a GPU: enough for
-    ``PROGRAMS_PER_MULTIPROCESSOR`` programs on every multiprocessor, each split at
-    least ``MIN_SPLIT_TOKENS`` of the longest sequence. Off a GPU, up to 16.
+    """KV splits of a decode batch on a GPU: as many as keep every program in one
+    wave of ``PROGRAMS_PER_MULTIPROCESSOR`` a multiprocessor (a second, partial wave
+    costs nearly a whole one), each split at least ``MIN_SPLIT_TOKENS`` of the
+    longest sequence. Off a GPU, up to 16.
 
     Measured on an H200 (``benchmarks/sweep_mla.py``, 16 heads, 4 warps, 2 stages;
-    ``benchmarks/results/mla_sweep_h200.txt``): one 128k sequence, 264 splits 148 µs,
-    132 splits 161 µs; 32 sequences of 32k, 8 splits 631 µs, 4 splits 980 µs; 128
-    sequences of 32k, 4 to 48 splits all within 1% (2468-2481 µs), 1 split 3878 µs."""
+    ``benchmarks/results/mla_sweep_h200.txt``): one 128k sequence, 264 splits 150 µs,
+    132 splits 163 µs; 32 sequences of 32k, 8 splits 633 µs, 9 splits 959 µs; 128
+    sequences of 32k, 2 to 48 splits within 1% (2451-2459 µs), 3 splits 2819 µs."""
     most = max(1, math.ceil(longest / MIN_SPLIT_TOKENS))
     if device.type != "cuda":
         return min(16, most)
     slots = PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(device)
-    return max(1, min(most, math.ceil(slots / max(1, programs_per_split))))
+    return max(1, min(most, slots // max(1, programs_per_split)))
 
 
 DEFAULT_BLOCK_N = 32
@@ -503,7 +504,10 @@ def mla_decode(
             PAGE_TILES=page_size % block_n == 0,
             DOTS=DOTS[dots],
             INTERPRETED=interpreted(),
-            num_warps=num_warps or platform_warps(nvidia=4, amd=4),
+            # fp32 dots hold twice the registers: at 4 warps they spill 11 KB on
+            # sm90 and ptxas takes minutes over them.
+            num_warps=num_warps
+            or platform_warps(nvidia=8 if dots == "fp32" else 4, amd=4),
             num_stages=num_stages or DEFAULT_STAGES,
         )
         _mla_decode_merge[(batch * rows, heads)](

@@ -37,6 +37,7 @@ LAUNCHES = {
         "latent moe fp8, 300 tokens": MOE_KERNELS,
         "latent moe fp8-block, 300 tokens": MOE_KERNELS,
         "latent moe mxfp4, 300 tokens": MOE_KERNELS,
+        "latent moe fp8, 1100 tokens": MOE_KERNELS,
         "kda decode": ("_kda_decode_step", "_shift_conv_state"),
         "kda chunk terms": ("_chunk_terms",),
         "kda chunk terms bf16": ("_chunk_terms",),
