@@ -589,18 +589,23 @@ def _unsupported(z: torch.Tensor, experts: ExpertWeights) -> str | None:
 
 
 def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
-    """``(block_m, block_n, block_k)`` of the two GEMMs, from sweeps on an H200 of
-    K3's 112 experts a device, top-16, latent 3584, inner 3072
-    (``benchmarks/sweep_moe_tiles.py``, ``benchmarks/results/moe_tiles_h200.txt``).
+    """``(block_m, block_n, block_k)`` of the two GEMMs, from sweeps and benchmark
+    runs on an H200 of K3's 112 experts a device, top-16, latent 3584, inner 3072
+    (``benchmarks/sweep_moe_tiles.py``, ``benchmarks/results/moe_tiles_h200.txt``,
+    ``kernels_h200.md``).
 
-    FP8 (both scale layouts): 64 x 128 tiles; 128 x 128 for a single token or a
-    few (1 token: 156 µs against 167); block_m 16 under 256 tokens, 64 from 256,
-    128 from 1,024 (4,096 tokens: 7.6 ms against 8.0). MXFP4: 128 x 32 tiles,
-    1.7x to 6.4x faster than 32 x 32 (the first sweep)."""
-    block_m = 128 if tokens >= 1024 else 64 if tokens >= 256 else 16
+    FP8: 64 x 128 tiles; block_m 16 under 256 tokens, 64 from 256, and for
+    per-channel scales 128 from 1,024 (4,096 tokens: 7.6-7.9 ms against 8.0-8.1).
+    Block scales keep 64 (at 128 they took 16.2 ms against 10.0). 128-wide tiles
+    for one token measured 7% faster in the sweep and 6% slower in the benchmark
+    run after it: not taken. MXFP4: 128 x 32 tiles, 1.7x to 6.4x faster than
+    32 x 32 (the first sweep)."""
+    block_m = 64 if tokens >= 256 else 16
+    if fmt == "fp8" and tokens >= 1024:
+        block_m = 128
     if fmt == "mxfp4":
-        return min(block_m, 64), 128, 32
-    return block_m, 128 if tokens < 16 else 64, 128
+        return block_m, 128, 32
+    return block_m, 64, 128
 
 
 def latent_moe(

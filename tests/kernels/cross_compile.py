@@ -170,12 +170,11 @@ def _cases(fp8: torch.dtype):
         ("latent moe fp8", latent_moe, moe("fp8")),
         ("latent moe fp8-block", latent_moe, moe("fp8-block")),
         ("latent moe mxfp4", latent_moe, moe("mxfp4")),
-        # From 256 tokens the MoE takes 64-row blocks (FP8: 128-wide tiles under 16
-        # tokens, 64-wide from 16).
+        # From 256 tokens the MoE takes 64-row blocks.
         ("latent moe fp8, 300 tokens", latent_moe, moe("fp8", 300)),
         ("latent moe fp8-block, 300 tokens", latent_moe, moe("fp8-block", 300)),
         ("latent moe mxfp4, 300 tokens", latent_moe, moe("mxfp4", 300)),
-        # From 1,024 tokens FP8 takes 128-row blocks.
+        # From 1,024 tokens per-channel FP8 takes 128-row blocks.
         ("latent moe fp8, 1100 tokens", latent_moe, moe("fp8", 1100)),
         ("kda decode", kda_decode, kda_step),
         ("kda chunk terms", kda_chunk_terms, terms(16, torch.float32)),

@@ -230,7 +230,8 @@ def test_fp16_dots_keep_every_bf16_query_from_2_to_the_minus_9_to_2_to_the_24():
     q, cache, table, seq_lens = _setup(
         lens, heads=16, rows=1, page_size=16, dtype=FP8[0], kv_scale=1.0
     )
-    q = (q / q.abs() * torch.logspace(-9, 23, q.shape[-1], base=2)).to(torch.bfloat16)
+    magnitudes = torch.logspace(-9, 23, q.shape[-1], base=2, device=q.device)
+    q = (q / q.abs() * magnitudes).to(torch.bfloat16)
     # A peaked softmax on one component's scale: compare the LSE, which carries the
     # scores without the weights' rounding.
     _, lse = kernel.mla_decode(q, cache, table, seq_lens)
