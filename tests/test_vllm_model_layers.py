@@ -267,6 +267,26 @@ def test_kda_state_is_carried_across_chunks_and_steps(model, vllm_config):
     torch.testing.assert_close(torch.cat(pieces), whole, rtol=0, atol=1e-5)
 
 
+def test_the_joined_conv_weight_is_made_once_and_follows_a_reload(model):
+    """The q, k and v conv weights join once, not at every step, and a weight
+    written in place (as loading writes it) makes the join anew."""
+    layer = model.language_model.model.layers[0].self_attn
+    joined = layer._conv_weight()
+    assert layer._conv_weight() is joined
+    original = layer.k_conv1d.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            layer.k_conv1d.weight.add_(1.0)
+        rejoined = layer._conv_weight()
+        assert rejoined is not joined
+        width = layer.local_width
+        torch.testing.assert_close(rejoined[width : 2 * width], original + 1.0)
+    finally:
+        with torch.no_grad():
+            layer.k_conv1d.weight.copy_(original)
+    torch.testing.assert_close(layer._conv_weight(), joined)
+
+
 @pytest.mark.parametrize("kernels", [False, True])
 def test_a_prefill_taken_in_windows_equals_it_whole(
     model, kernel_model, vllm_config, kernels

@@ -253,9 +253,7 @@ class KdaAttention(nn.Module, MambaBase):
                 "the PyTorch KDA path does not run speculative decoding"
             )
         conv_cache, recurrent_cache = self._caches()
-        conv_weight = torch.cat(
-            [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
-        )
+        conv_weight = self._conv_weight()
         if self.use_kernels and metadata.num_prefills == 0:
             self._decode_only(qkv, conv_weight, decay, beta, out, metadata)
             return
@@ -295,6 +293,17 @@ class KdaAttention(nn.Module, MambaBase):
                 beta[rows],
                 torch.tensor(decode_slots, device=qkv.device),
             )
+
+    def _conv_weight(self) -> torch.Tensor:
+        """The q, k and v conv weights as one ``[3 * width, 1, kernel]`` tensor, made
+        once and again only after a weight changes (loading writes in place)."""
+        parts = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        key = tuple((part.data_ptr(), part._version) for part in parts)
+        cached = getattr(self, "_conv_weight_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat(parts))
+            self._conv_weight_cache = cached
+        return cached[1]
 
     def _prefill(self, qkv, decay, beta, conv_weight, conv_state, state):
         """A window of one sequence's prefill: ``(o, conv state, state)`` after it,
