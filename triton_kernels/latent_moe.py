@@ -172,6 +172,8 @@ except ImportError:  # pragma: no cover
     triton = None
 
 FORMATS = {"fp8": 0, "mxfp4": 1, "fp8-block": 2}
+# The byte of 0.5 in each e4m3 flavour (exponent bias 7 and 8).
+E4M3_HALF = {torch.float8_e4m3fn: 0x30, torch.float8_e4m3fnuz: 0x38}
 # Where each e4m3 flavour's subnormals end, and their steps per unit.
 E4M3_RANGES = {
     torch.float8_e4m3fn: {"MIN_NORMAL": 2.0**-6, "SUBNORMAL_STEPS": 2.0**9},
@@ -181,6 +183,17 @@ E4M3_RANGES = {
 SCALE_SPAN = {"mxfp4": 32, "fp8-block": 128}
 
 if triton is not None:
+
+    @triton.jit
+    def _e2m1_to_e4m3_bits(nibble, HALF: tl.constexpr):
+        """The e4m3 byte of each e2m1 ``nibble`` (every e2m1 value is exact in
+        e4m3), by integer arithmetic. Magnitude code c (exponent c >> 1, mantissa
+        c & 1): 0 is 0, 0.5 is ``HALF`` (the e4m3 byte of 0.5), and from c = 2 on,
+        (e - 1 + bias) << 3 | (c & 1) << 2 = HALF + 4c. Negative zero becomes +0
+        (fnuz's 0x80 is NaN)."""
+        code = nibble & 0x7
+        bits = tl.where(code < 2, code * HALF, HALF + 4 * code)
+        return tl.where(((nibble & 0x8) != 0) & (code != 0), bits | 0x80, bits)
 
     @triton.jit
     def _load_weight_tile(
@@ -198,6 +211,7 @@ if triton is not None:
         k_mask,
         FP8_TYPE: tl.constexpr,
         FMT: tl.constexpr,
+        HALF: tl.constexpr,
     ):
         """One expert's ``[BLOCK_N, BLOCK_K]`` tile as FP8 values and the scale of
         each output row for this K tile (``BLOCK_K`` divides the format's
@@ -205,23 +219,20 @@ if triton is not None:
         # One branch per format, one return after them: Triton compiles the code
         # after an early return in a constexpr branch too, and an FP8 load with an
         # integer ``other`` does not compile.
-        mask = n_mask[:, None] & k_mask[None, :]
         if FMT == 1:  # MXFP4: two e2m1 values a byte, an e8m0 scale per 32
+            # The tile's bytes, loaded whole (K is a multiple of 32 in this format,
+            # so a K tile is never partial), each decoded to its two values.
+            pair = k0 // 2 + tl.arange(0, k.shape[0] // 2)
             byte = tl.load(
-                w_ptr + expert * stride_we + n[:, None] * stride_wn + (k[None, :] // 2),
-                mask=mask,
+                w_ptr + expert * stride_we + n[:, None] * stride_wn + pair[None, :],
+                mask=n_mask[:, None],
                 other=0,
             ).to(tl.int32)
-            nibble = tl.where((k[None, :] % 2) == 0, byte & 0xF, byte >> 4)
-            exponent = (nibble >> 1) & 0x3
-            mantissa = (nibble & 0x1).to(tl.float32)
-            magnitude = tl.where(
-                exponent == 0,
-                0.5 * mantissa,
-                tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * mantissa),
-            )
-            # Every e2m1 value is exact in e4m3.
-            values = tl.where((nibble & 0x8) != 0, -magnitude, magnitude).to(FP8_TYPE)
+            low = _e2m1_to_e4m3_bits(byte & 0xF, HALF)
+            high = _e2m1_to_e4m3_bits(byte >> 4, HALF)
+            # The low nibble is the even column.
+            bits = tl.reshape(tl.join(low, high), (n.shape[0], k.shape[0]))
+            values = bits.to(tl.uint8).to(FP8_TYPE, bitcast=True)
             e8m0 = tl.load(
                 s_ptr + expert * stride_se + n * stride_sn + k0 // 32,
                 mask=n_mask,
@@ -231,7 +242,7 @@ if triton is not None:
         else:  # FP8 values, one a byte
             values = tl.load(
                 w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
-                mask=mask,
+                mask=n_mask[:, None] & k_mask[None, :],
                 other=0.0,
             )
             if FMT == 0:
@@ -405,6 +416,7 @@ if triton is not None:
         beta,
         linear_beta,
         FMT: tl.constexpr,
+        FP8_HALF: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -429,12 +441,12 @@ if triton is not None:
             w_gate, s_gate = _load_weight_tile(
                 w_ptr, s_ptr, expert, n, k, k0,
                 stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
-                a_ptr.dtype.element_ty, FMT,
+                a_ptr.dtype.element_ty, FMT, FP8_HALF,
             )  # fmt: skip
             w_up, s_up = _load_weight_tile(
                 w_ptr, s_ptr, expert, n + inner, k, k0,
                 stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
-                a_ptr.dtype.element_ty, FMT,
+                a_ptr.dtype.element_ty, FMT, FP8_HALF,
             )  # fmt: skip
             # FP8 x FP8 products are exact in the fp32 accumulator. A per-channel
             # scale holds over all of K: it is applied once, after the loop, and
@@ -484,6 +496,7 @@ if triton is not None:
         stride_sn,
         stride_om,
         FMT: tl.constexpr,
+        FP8_HALF: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -507,7 +520,7 @@ if triton is not None:
             w, w_scale = _load_weight_tile(
                 w_ptr, s_ptr, expert, n, k, k0,
                 stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
-                h_ptr.dtype.element_ty, FMT,
+                h_ptr.dtype.element_ty, FMT, FP8_HALF,
             )  # fmt: skip
             if FMT == 0:
                 acc = tl.dot(h, tl.trans(w), acc, out_dtype=tl.float32)
@@ -638,6 +651,11 @@ def latent_moe(
             f"scale block of {scale_span} (one scale per K tile)"
         )
     dtype = activation_dtype(experts, fp8_dtype)
+    if experts.fmt == "mxfp4" and (z.shape[1] % 32 or experts.w2.shape[2] % 16):
+        raise ValueError(
+            f"MXFP4 experts need latent and inner sizes that are multiples of 32 "
+            f"(one scale per 32 inputs); got {z.shape[1]} and {experts.w2.shape[2] * 2}"
+        )
     reason = _unsupported(z, experts)
     log_path("Latent MoE", reason)
     if reason is not None:
@@ -666,7 +684,8 @@ def latent_moe(
         z_q, z_scale, rows, block_expert, used_rows, w13, s13, h, top_k, latent, inner,
         z_q.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         h.stride(0), beta, linear_beta,
-        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        FMT=fmt, FP8_HALF=E4M3_HALF[dtype], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k,
         **launch,
     )  # fmt: skip
     h_q, h_scale = quantize_rows(h, dtype, rows=rows, used_rows=used_rows)
@@ -678,7 +697,8 @@ def latent_moe(
         latent, inner,
         h_q.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0),
-        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        FMT=fmt, FP8_HALF=E4M3_HALF[dtype], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k,
         **launch,
     )  # fmt: skip
     return out

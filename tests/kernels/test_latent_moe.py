@@ -25,6 +25,7 @@ from tests.kernels.placement import (
     OCP_FP8_RUNS_HERE,
     on_device,
 )
+from vllm_k3_plugin.model.reference import mxfp4_decode as ref_mxfp4_decode
 from vllm_k3_plugin.model.reference import route, situ_glu
 
 
@@ -125,6 +126,36 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
 
 
 FNUZ = torch.float8_e4m3fnuz
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [d for d, runs in zip(moe.FP8_DTYPES, (OCP_FP8_RUNS_HERE, FNUZ_RUNS_HERE)) if runs],
+    ids=str,
+)
+def test_the_mxfp4_decode_gives_every_e2m1_value_exactly(dtype):
+    """Every byte (both nibbles, all 16 e2m1 codes each, negative zero included)
+    decodes in registers to the e4m3 value of ``mxfp4_decode`` (scale 2^0); -0
+    comes out as +0 (fnuz's 0x80 is NaN, which would fail the comparison)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(w_ptr, s_ptr, out_ptr, HALF: tl.constexpr):
+        n = tl.arange(0, 16)
+        k = tl.arange(0, 32)
+        values, _ = moe._load_weight_tile(
+            w_ptr, s_ptr, 0, n, k, 0, 0, 16, 0, 1, n < 16, k < 32,
+            out_ptr.dtype.element_ty, 1, HALF,
+        )  # fmt: skip
+        tl.store(out_ptr + n[:, None] * 32 + k[None, :], values)
+
+    packed = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    scale = torch.full((16, 1), 127, dtype=torch.uint8)
+    out = torch.empty(16, 32, dtype=dtype, device=DEVICE)
+    decode[(1,)](packed.to(DEVICE), scale.to(DEVICE), out, HALF=moe.E4M3_HALF[dtype])
+    want = ref_mxfp4_decode(packed, scale)
+    assert torch.equal(out.cpu().float(), want)
 
 
 @pytest.mark.parametrize(
