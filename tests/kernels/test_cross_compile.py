@@ -67,11 +67,12 @@ def test_every_launch_compiles_for_the_target(target):
 
     # The model's launches keep their registers: a spill costs memory traffic on
     # every tile. Not counted: the fp32-query MLA path (the tests', not a GPU
-    # model's); on sm90, MXFP4's gate/up and down GEMMs, whose 128-wide tiles spill
-    # (56 to 872 bytes) and still measured fastest on an H200 (1.7x to 6.4x over
-    # the 32- and 64-wide ones, benchmarks/results/moe_tiles_h200.txt), and the FP8
-    # MLA decode at 4 warps, 2 stages (176 bytes), measured fastest there: 1.10x
-    # faster than any 8-warp configuration (benchmarks/results/mla_sweep_h200.txt).
+    # model's); on sm90, MXFP4's gate/up GEMM at 64-row blocks, whose 128-wide
+    # tiles spill (80 bytes; 56 to 872 for both GEMMs before the paired decode,
+    # when they measured fastest on an H200, 1.7x to 6.4x over the 32- and 64-wide
+    # ones, benchmarks/results/moe_tiles_h200.txt), and the FP8 MLA decode at 4
+    # warps, 2 stages (136 bytes), measured fastest there: 1.10x faster than any
+    # 8-warp configuration (benchmarks/results/mla_sweep_h200.txt).
     def measured_despite_spill(launch: str) -> bool:
         return target == "sm90" and (
             "mxfp4" in launch or launch == "mla fp8 cache, bf16 q: _mla_decode_partial"
