@@ -29,7 +29,36 @@ def triton_blocker(device: torch.device) -> str | None:
         return "Triton is not installed"
     if not triton_usable(device):
         return f"no Triton backend for device {device.type}"
+    if interpreted():
+        _interpreter_scalars_index_under_any_numpy()
     return None
+
+
+_index_fixed = False
+
+
+def _interpreter_scalars_index_under_any_numpy() -> None:
+    """Triton's interpreter before 3.7 holds a scalar as a one-element array and
+    gives ``range()`` its ``int(array)``, which NumPy 2.4 refuses (only 0-d arrays
+    convert): a kernel's loop over loaded bounds then fails. Triton 3.7 on takes
+    the element first, as this does; set within the same per-launch patch scope."""
+    global _index_fixed
+    if _index_fixed:
+        return
+    _index_fixed = True
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:
+        return
+
+    def patch_with_scalar_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(
+            tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0])
+        )
+
+    interpreter._patch_lang_tensor = patch_with_scalar_index
 
 
 # The chunked KDA kernels hold C x C and C x K tiles in registers: at 32 tokens a
