@@ -467,10 +467,15 @@ def mla_decode(
     # No split shorter than one tile.
     num_splits = max(1, min(num_splits, math.ceil(max(longest, 1) / block_n)))
     device = q.device
-    mid_out = torch.empty(batch * rows, heads, num_splits, value_dim, device=device)
-    mid_lse = torch.empty(batch * rows, heads, num_splits, device=device)
     out = torch.empty(batch * rows, heads, value_dim, device=device)
     lse = torch.empty(batch * rows, heads, device=device)
+    if num_splits == 1:
+        # One split's partial result is the result (normalized, with its LSE):
+        # the partial kernel writes it in place and the merge does not run.
+        mid_out, mid_lse = out.unsqueeze(2), lse.unsqueeze(2)
+    else:
+        mid_out = torch.empty(batch * rows, heads, num_splits, value_dim, device=device)
+        mid_lse = torch.empty(batch * rows, heads, num_splits, device=device)
     if batch:
         grid = (batch * rows, triton.cdiv(heads, block_h), num_splits)
         _mla_decode_partial[grid](
@@ -510,6 +515,7 @@ def mla_decode(
             or platform_warps(nvidia=8 if dots == "fp32" else 4, amd=4),
             num_stages=num_stages or DEFAULT_STAGES,
         )
+    if batch and num_splits > 1:
         _mla_decode_merge[(batch * rows, heads)](
             mid_out,
             mid_lse,

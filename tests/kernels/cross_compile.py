@@ -116,7 +116,7 @@ def _cases(fp8: torch.dtype):
             cache = torch.zeros(4, 64, 576).to(cache_dtype)
             table = torch.arange(4, dtype=torch.int32).view(2, 2)
             lens = torch.tensor([20, 100], dtype=torch.int32)
-            mla_decode.mla_decode(q, cache, table, lens, max_seq_len=100)
+            mla_decode.mla_decode(q, cache, table, lens, max_seq_len=100, num_splits=2)
 
         return call
 

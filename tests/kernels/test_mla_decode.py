@@ -89,6 +89,21 @@ def test_tiles_within_a_page_and_across_pages(page_size, block_n):
     _compare(q, cache, table, lens, block_n=block_n, num_splits=3)
 
 
+def test_one_split_is_written_in_place_without_the_merge(monkeypatch):
+    """With one split the partial kernel's result is final: the merge kernel is
+    not launched, and the output still matches the reference."""
+    q, cache, table, lens = _setup(
+        [150, 90], heads=16, rows=1, page_size=16, dtype=FP8[0]
+    )
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("the merge ran for a single split")
+
+    monkeypatch.setattr(kernel, "_mla_decode_merge", NotLaunched())
+    _compare(q, cache, table, lens, num_splits=1)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_split_kv_merge(splits):
     q, cache, table, lens = _setup(
