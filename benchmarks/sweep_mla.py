@@ -3,9 +3,9 @@ queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 ``bench_kernels.py`` times it.
 
 1. Tile, pipeline, warps and dot operands: ``block_n`` 32/64, ``num_stages`` 2/3,
-   4/8 warps, fp16 (the default) or bf16 dots, each at the default split count and
-   at 2x of it, over four batch x context shapes; prints every configuration's time
-   per shape.
+   4/8 warps, fp16 (the default), fp16-pairs or bf16 dots, each at the default
+   split count and at 2x of it, over four batch x context shapes; prints every
+   configuration's time per shape.
 2. Split counts: for the fastest configuration of part 1, split counts from 1 to 2
    per multiprocessor on each shape, against ``default_num_splits``.
 
@@ -58,7 +58,9 @@ def main() -> None:
     }
     print("defaults (splits):", {f"B={b} ctx={c}": s for (b, c), s in defaults.items()})
     results = []
-    configs = itertools.product((32, 64), (2, 3), (4, 8), ("fp16", "bf16"))
+    configs = itertools.product(
+        (32, 64), (2, 3), (4, 8), ("fp16", "fp16-pairs", "bf16")
+    )
     for block_n, stages, warps, dots in configs:
         line = []
         total = 0.0

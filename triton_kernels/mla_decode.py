@@ -130,6 +130,20 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _e4m3_pairs_to_fp16(words, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """``[ROWS, COLS / 2]`` 16-bit words, each two stored e4m3 bytes (the low
+        byte the even column), as ``[ROWS, COLS]`` fp16 values divided by
+        ``PAIR_SCALE``: each byte's exponent and mantissa bits move into fp16's
+        fields, whose exponent bias is larger by 8 (e4m3fn; 7 for e4m3fnuz) —
+        exact, subnormals included. NaN bytes (which a cache never holds: its
+        writes clamp) come out finite."""
+        word = words.to(tl.int32) & 0xFFFF
+        low = ((word & 0x7F) << 7) | ((word & 0x80) << 8)
+        high = ((word >> 1) & 0x3F80) | (word & 0x8000)
+        bits = tl.reshape(tl.join(low, high), (ROWS, COLS)).to(tl.int16)
+        return bits.to(tl.float16, bitcast=True)
+
+    @triton.jit
     def _dot(a, b, DOTS: tl.constexpr, INTERPRETED: tl.constexpr):
         """``a @ b`` into fp32. ``DOTS`` 1: every operand value is exact in bf16, and
         on a GPU the dot runs on bf16 tensor cores; 2: the operands are rounded to
@@ -138,7 +152,7 @@ if triton is not None:
         (fp16 and bf16 products are exact in fp32), as the tensor cores do."""
         if DOTS == 1 and not INTERPRETED:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-        if DOTS == 2:
+        if DOTS >= 2:
             if INTERPRETED:
                 a = a.to(tl.float16).to(tl.float32)
                 b = b.to(tl.float16).to(tl.float32)
@@ -177,6 +191,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PAGE_TILES: tl.constexpr,
         DOTS: tl.constexpr,
+        PAIR_SCALE: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
         row = tl.program_id(0)  # b * rows + r
@@ -200,13 +215,15 @@ if triton is not None:
         q_nope = tl.load(q_base + dv[None, :], mask=h_mask[:, None], other=0.0)
         q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0)
         score_scale = softmax_scale * kv_scale
-        if DOTS == 2:
+        if DOTS >= 2:
             # fp16 dots: the query enters as q / 2^8, so that any bf16 query up to
             # 2^24 stays finite in fp16 (exact from 2^-9 up); the scores are
             # scaled back.
             q_nope = (q_nope.to(tl.float32) * FP16_QUERY_SCALE).to(tl.float16)
             q_pe = (q_pe.to(tl.float32) * FP16_QUERY_SCALE).to(tl.float16)
             score_scale = score_scale / FP16_QUERY_SCALE
+        if DOTS == 3:
+            score_scale = score_scale * PAIR_SCALE
 
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         denom = tl.zeros((BLOCK_H,), tl.float32)
@@ -235,14 +252,37 @@ if triton is not None:
                     + (n % page_size) * stride_cs
                 )
             # Stored values, unscaled: the layer's scale goes on scores and output.
-            k_nope = tl.load(
-                token_base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0
-            )
-            k_pe = tl.load(
-                token_base[:, None] + DV + dpe[None, :],
-                mask=n_mask[:, None],
-                other=0.0,
-            )
+            if DOTS == 3:
+                # Two e4m3 bytes a 16-bit word, made fp16 in registers (values /
+                # PAIR_SCALE); the tile then reaches the dots as 16-bit data.
+                words = token_base.to(tl.pointer_type(tl.int16))
+                k_nope = _e4m3_pairs_to_fp16(
+                    tl.load(
+                        words[:, None] + tl.arange(0, DV // 2)[None, :],
+                        mask=n_mask[:, None],
+                        other=0,
+                    ),
+                    BLOCK_N,
+                    DV,
+                )
+                k_pe = _e4m3_pairs_to_fp16(
+                    tl.load(
+                        words[:, None] + DV // 2 + tl.arange(0, DPE // 2)[None, :],
+                        mask=n_mask[:, None],
+                        other=0,
+                    ),
+                    BLOCK_N,
+                    DPE,
+                )
+            else:
+                k_nope = tl.load(
+                    token_base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0
+                )
+                k_pe = tl.load(
+                    token_base[:, None] + DV + dpe[None, :],
+                    mask=n_mask[:, None],
+                    other=0.0,
+                )
             scores = _dot(q_nope, tl.trans(k_nope), DOTS, INTERPRETED)
             scores += _dot(q_pe, tl.trans(k_pe), DOTS, INTERPRETED)
             scores = tl.where(n_mask[None, :], scores * score_scale, float("-inf"))
@@ -252,7 +292,7 @@ if triton is not None:
             denom = denom * rescale + tl.sum(p, axis=1)
             if DOTS == 1:
                 p = _round_to_bf16(p)
-            if DOTS == 2:
+            if DOTS >= 2:
                 # Weights in (0, 1] as p * 2^15: none is lost below fp16's
                 # smallest subnormal (2^-24) above 2^-39.
                 p = p * FP16_WEIGHT_SCALE
@@ -263,8 +303,10 @@ if triton is not None:
         safe_denom = tl.where(has_tokens, denom, 1.0)
         lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
         out = acc * (kv_scale / safe_denom[:, None])
-        if DOTS == 2:
+        if DOTS >= 2:
             out = out / FP16_WEIGHT_SCALE
+        if DOTS == 3:
+            out = out * PAIR_SCALE
         tl.store(
             mid_out_ptr
             + row * stride_mo_row
@@ -385,12 +427,15 @@ def default_block_n(page_size: int) -> int:
     return DEFAULT_BLOCK_N
 
 
-DOTS = {"fp32": 0, "bf16": 1, "fp16": 2}
+DOTS = {"fp32": 0, "bf16": 1, "fp16": 2, "fp16-pairs": 3}
 
 
-# Another format a bf16 query over an FP8 cache may take: bf16 (e4m3 is exact there
-# too; on sm90 it costs a second conversion per value, e4m3 -> fp16 -> bf16).
-FP8_ALTERNATIVES = {"fp16": ("bf16",)}
+# Other formats a bf16 query over an FP8 cache may take: bf16 (e4m3 is exact there
+# too; on sm90 it costs a second conversion per value, e4m3 -> fp16 -> bf16), and
+# fp16 from the cache read as 16-bit words, each two bytes made fp16 by bit moves
+# in registers (on sm90 the tile then reaches the dots by cp.async and ldmatrix,
+# where the bytes take one shared-memory load each; not yet timed on a GPU).
+FP8_ALTERNATIVES = {"fp16": ("bf16", "fp16-pairs")}
 
 
 def dot_format(q: torch.Tensor, cache: torch.Tensor) -> str:
@@ -454,6 +499,10 @@ def mla_decode(
         raise ValueError(
             f"{dots} dots for a {q.dtype} query over a {cache.dtype} cache"
         )
+    if dots == "fp16-pairs" and any(
+        x % 2 for x in (cache.storage_offset(), cache.stride(0), cache.stride(1))
+    ):
+        raise ValueError("fp16-pairs dots read the cache as 16-bit words: unaligned")
     if block_n is None:
         block_n = default_block_n(page_size)
     if max_seq_len is not None:
@@ -508,6 +557,7 @@ def mla_decode(
             BLOCK_N=block_n,
             PAGE_TILES=page_size % block_n == 0,
             DOTS=DOTS[dots],
+            PAIR_SCALE=128.0 if cache.dtype == torch.float8_e4m3fnuz else 256.0,
             INTERPRETED=interpreted(),
             # fp32 dots hold twice the registers: at 4 warps they spill 11 KB on
             # sm90 and ptxas takes minutes over them.

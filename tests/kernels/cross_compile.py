@@ -109,14 +109,16 @@ def _cases(fp8: torch.dtype):
     from vllm_k3_plugin.model import reference as ref
     from vllm_k3_plugin.model.kda_chunk import chunk_terms
 
-    def mla(q_dtype, cache_dtype):
+    def mla(q_dtype, cache_dtype, dots=None):
         def call():
             q = torch.randn(2, 2, 16, 576).to(q_dtype)
             # 64-token pages: the tile is the default 32 tokens, within a page.
             cache = torch.zeros(4, 64, 576).to(cache_dtype)
             table = torch.arange(4, dtype=torch.int32).view(2, 2)
             lens = torch.tensor([20, 100], dtype=torch.int32)
-            mla_decode.mla_decode(q, cache, table, lens, max_seq_len=100, num_splits=2)
+            mla_decode.mla_decode(
+                q, cache, table, lens, max_seq_len=100, num_splits=2, dots=dots
+            )
 
         return call
 
@@ -167,6 +169,11 @@ def _cases(fp8: torch.dtype):
         ("mla fp8 cache, bf16 q", mla_decode, mla(torch.bfloat16, fp8)),
         ("mla bf16 cache, bf16 q", mla_decode, mla(torch.bfloat16, torch.bfloat16)),
         ("mla fp8 cache, fp32 q", mla_decode, mla(torch.float32, fp8)),
+        (
+            "mla fp8 cache, bf16 q, fp16-pairs",
+            mla_decode,
+            mla(torch.bfloat16, fp8, "fp16-pairs"),
+        ),
         ("latent moe fp8", latent_moe, moe("fp8")),
         ("latent moe fp8-block", latent_moe, moe("fp8-block")),
         ("latent moe mxfp4", latent_moe, moe("mxfp4")),

@@ -31,6 +31,10 @@ LAUNCHES = {
         "mla fp8 cache, bf16 q": ("_mla_decode_partial", "_mla_decode_merge"),
         "mla bf16 cache, bf16 q": ("_mla_decode_partial", "_mla_decode_merge"),
         "mla fp8 cache, fp32 q": ("_mla_decode_partial", "_mla_decode_merge"),
+        "mla fp8 cache, bf16 q, fp16-pairs": (
+            "_mla_decode_partial",
+            "_mla_decode_merge",
+        ),
         "latent moe fp8": MOE_KERNELS,
         "latent moe fp8-block": MOE_KERNELS,
         "latent moe mxfp4": MOE_KERNELS,

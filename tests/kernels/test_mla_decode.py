@@ -231,6 +231,58 @@ def test_an_fp8_cache_also_takes_bf16_dots_and_nothing_else_odd():
         kernel.mla_decode(q.float(), cache, table, lens, dots="fp16")
 
 
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_every_pair_of_cache_bytes_becomes_its_two_fp16_values_exactly(dtype):
+    """All 65,536 16-bit words (two e4m3 bytes, the low byte the even column) move
+    into fp16 as the bytes' values divided by 2^8 (e4m3fn) or 2^7 (e4m3fnuz),
+    exactly, subnormals included. NaN bytes come out finite (fnuz's 0x80 as -0,
+    fn's 0x7F/0xFF as ±1.875 · 2^8): a cache holds none, its writes clamp."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(words_ptr, out_ptr, ROWS: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        values = kernel._e4m3_pairs_to_fp16(tl.load(words_ptr + r)[:, None], ROWS, 2)
+        tl.store(out_ptr + r[:, None] * 2 + tl.arange(0, 2)[None, :], values)
+
+    words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    out = torch.empty(65536, 2, dtype=torch.float16, device=DEVICE)
+    convert[(64,)](words.to(DEVICE), out, ROWS=1024)
+    stored = words.view(torch.uint8).view(65536, 2)
+    want = stored.view(dtype).float()
+    shift = 2.0**-7 if dtype == torch.float8_e4m3fnuz else 2.0**-8
+    got = out.cpu().float()
+    if dtype == torch.float8_e4m3fnuz:
+        want = torch.where(stored == 0x80, -0.0, want)
+    else:
+        nan_byte = (stored & 0x7F) == 0x7F
+        assert torch.equal(got[nan_byte].abs(), torch.full_like(got[nan_byte], 1.875))
+        want = torch.where(nan_byte, got / shift, want)
+    assert torch.equal(got, want * shift)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_fp16_dots_on_byte_pairs_stay_within_the_fp16_bound(dtype):
+    """The ``fp16-pairs`` dots (the cache read as 16-bit words) hold the fp16
+    dots' bound, 2^-11 of the largest value, across pages and speculative rows."""
+    q, cache, table, lens = _setup(
+        [70, 33, 1], heads=16, rows=3, page_size=16, dtype=dtype, kv_scale=0.5
+    )
+    q = q.to(torch.bfloat16)
+    out, lse = kernel.mla_decode(q, cache, table, lens, kv_scale=0.5, dots="fp16-pairs")
+    ref_out, ref_lse = kernel.mla_decode_reference(
+        q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=0.5
+    )
+    largest = cache[..., :512].float().abs().max() * 0.5
+    assert (out - ref_out).abs().max() <= 2**-11 * largest + 1e-4
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="16-bit words"):
+        odd = torch.zeros(cache.numel() + 1, dtype=cache.dtype, device=cache.device)
+        unaligned = odd[1:].view(cache.shape)
+        kernel.mla_decode(q, unaligned, table, lens, dots="fp16-pairs")
+
+
 def test_fp16_and_fp32_caches_keep_fp32_dots():
     q = torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16)
     for dtype in (torch.float16, torch.float32):
@@ -274,11 +326,15 @@ def test_weights_round_to_bf16_ties_to_even():
 
 
 @pytest.mark.parametrize(
-    ("cache_dtype", "weight", "bound"),
-    [(torch.bfloat16, 0.5019, 2**-8), (FP8[0], 0.50024, 2**-11)],
-    ids=["bf16 dots", "fp16 dots"],
+    ("cache_dtype", "weight", "bound", "dots"),
+    [
+        (torch.bfloat16, 0.5019, 2**-8, None),
+        (FP8[0], 0.50024, 2**-11, None),
+        (FP8[0], 0.50024, 2**-11, "fp16-pairs"),
+    ],
+    ids=["bf16 dots", "fp16 dots", "fp16-pairs dots"],
 )
-def test_the_weight_rounding_bound_is_reached(cache_dtype, weight, bound):
+def test_the_weight_rounding_bound_is_reached(cache_dtype, weight, bound, dots):
     """200 tokens whose softmax weight (relative to the top token's) sits just
     under a rounding midpoint of the dots' format and rounds down to 0.5, all with
     value +1, and the top token with value -1: the output moves by nearly the
@@ -298,7 +354,7 @@ def test_the_weight_rounding_bound_is_reached(cache_dtype, weight, bound):
     q[..., 512] = 8.0
     kv_scale = -math.log(weight) / (8.0 * SCALE)  # weight e^{-8·scale·kv}
     q, cache, table, lens = (x.to(DEVICE) for x in (q.bfloat16(), cache, table, lens))
-    out, _ = kernel.mla_decode(q, cache, table, lens, kv_scale=kv_scale)
+    out, _ = kernel.mla_decode(q, cache, table, lens, kv_scale=kv_scale, dots=dots)
     ref_out, _ = kernel.mla_decode_reference(
         q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=kv_scale
     )
