@@ -48,6 +48,9 @@ def roofline(device_name: str) -> tuple[float, float] | None:
 
 
 GRAPH_CALLS = 10
+# Why each capture since the last row was printed failed: that row's ratio may then
+# set an uncaptured time (launches included) against a captured one, and says so.
+UNCAPTURED: list[str] = []
 
 
 def timed(run, *, warmup: int, repeats: int, cuda: bool) -> float:
@@ -55,10 +58,11 @@ def timed(run, *, warmup: int, repeats: int, cuda: bool) -> float:
     on a GPU, replays of a CUDA graph of ``GRAPH_CALLS`` calls (the memory a call
     frees is reused by the next inside the graph), each replay timed by events; a
     call that cannot be captured (a host read) runs ``GRAPH_CALLS`` times back to
-    back between events instead. On the CPU, wall time of single calls."""
+    back between events instead, and the reason joins ``UNCAPTURED``. On the CPU,
+    wall time of single calls."""
     import torch
 
-    for _ in range(warmup):
+    for _ in range(max(1, warmup)):  # at least one: no compile inside a capture
         run()
     if not cuda:
         return wall_timed(run, warmup=0, repeats=repeats, cuda=False)
@@ -92,8 +96,9 @@ def _captured(run):
     try:
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
             calls()
-    except Exception:  # a host read in the call: time it uncaptured
+    except Exception as error:  # a host read in the call: time it uncaptured
         torch.cuda.synchronize()
+        UNCAPTURED.append(f"{type(error).__name__}: {error}"[:100])
         return calls
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
@@ -622,6 +627,9 @@ def main(argv=None) -> int:
         # reported, keeps the rows it made, and the others still run.
         try:
             for row in section(device, args.smoke, warmup, repeats):
+                if UNCAPTURED:
+                    row["uncaptured"] = "; ".join(sorted(set(UNCAPTURED)))
+                    UNCAPTURED.clear()
                 print(_table_line(row, peak), flush=True)
                 rows.append(row)
                 _save(args.json, name, rows, failed)
@@ -653,6 +661,8 @@ def _table_line(r: dict, peak) -> str:
             f"; {versus}" if versus else ""
         )
     eager = f"{r['eager_s'] * 1e6:.1f}" if r.get("eager_s") else "-"
+    if r.get("uncaptured"):
+        versus += f"; some of this row timed uncaptured ({r['uncaptured']})"
     return (
         f"| {r['kernel']} | {r['shape']} | {r['s'] * 1e6:.1f} | {eager} | {tbs:.3f} "
         f"| {tflops:.2f} | {bw} | {fl} | {versus} |"

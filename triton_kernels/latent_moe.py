@@ -121,6 +121,8 @@ def latent_moe_reference(
     z_deq = z_q.float() * z_scale[:, None]
     out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
     for expert in ids.unique().tolist():
+        if not 0 <= expert < experts.w13.shape[0]:
+            continue  # another rank's expert (expert parallelism): not here
         rows, slots = (ids == expert).nonzero(as_tuple=True)
         gate_up = z_deq[rows] @ w13[expert].T
         h = situ_glu(gate_up[:, :inner], gate_up[:, inner:], beta, linear_beta)
@@ -174,10 +176,18 @@ except ImportError:  # pragma: no cover
 FORMATS = {"fp8": 0, "mxfp4": 1, "fp8-block": 2}
 # The byte of 0.5 in each e4m3 flavour (exponent bias 7 and 8).
 E4M3_HALF = {torch.float8_e4m3fn: 0x30, torch.float8_e4m3fnuz: 0x38}
-# Where each e4m3 flavour's subnormals end, and their steps per unit.
+# Where each e4m3 flavour's subnormals end, their steps per unit, and its NaN byte.
 E4M3_RANGES = {
-    torch.float8_e4m3fn: {"MIN_NORMAL": 2.0**-6, "SUBNORMAL_STEPS": 2.0**9},
-    torch.float8_e4m3fnuz: {"MIN_NORMAL": 2.0**-7, "SUBNORMAL_STEPS": 2.0**10},
+    torch.float8_e4m3fn: {
+        "MIN_NORMAL": 2.0**-6,
+        "SUBNORMAL_STEPS": 2.0**9,
+        "NAN_BYTE": 0x7F,
+    },
+    torch.float8_e4m3fnuz: {
+        "MIN_NORMAL": 2.0**-7,
+        "SUBNORMAL_STEPS": 2.0**10,
+        "NAN_BYTE": 0x80,
+    },
 }
 # The K span of one weight scale (per-channel FP8 has one scale for all of K).
 SCALE_SPAN = {"mxfp4": 32, "fp8-block": 128}
@@ -279,9 +289,10 @@ if triton is not None:
         for p0 in range(0, pairs, CHUNK):
             p = p0 + tl.arange(0, CHUNK)
             expert = tl.load(ids_ptr + p, mask=p < pairs, other=num_experts)
-            expert = expert.to(tl.int32)
-            # Out-of-range ids (and the tail) count in a spare bin: never placed.
-            expert = tl.where((expert >= 0) & (expert < num_experts), expert, BINS - 1)
+            # Out-of-range ids (checked before any narrowing) and the tail count in
+            # a spare bin: never placed.
+            in_range = (expert >= 0) & (expert < num_experts)
+            expert = tl.where(in_range, expert, BINS - 1).to(tl.int32)
             counts += tl.histogram(expert, BINS)
         bins = tl.arange(0, BINS)
         counts = tl.where(bins < num_experts, counts, 0)
@@ -307,8 +318,9 @@ if triton is not None:
         """Each pair takes the next row of its expert's group (in no set order
         within the group: each row's GEMM result does not depend on its place)."""
         p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-        expert = tl.load(ids_ptr + p, mask=p < pairs, other=0).to(tl.int32)
+        expert = tl.load(ids_ptr + p, mask=p < pairs, other=0)
         placed = (p < pairs) & (expert >= 0) & (expert < num_experts)
+        expert = tl.where(placed, expert, 0).to(tl.int32)
         row = tl.atomic_add(cursor_ptr + expert, 1, mask=placed)
         tl.store(rows_ptr + row, p, mask=placed)
 
@@ -330,7 +342,12 @@ if triton is not None:
         up = (fraction > 0.5) | ((fraction == 0.5) & ((whole & 1) == 1))
         subnormal = (whole + up.to(tl.int32)).to(tl.float32) * (1.0 / SUBNORMAL_STEPS)
         rounded = tl.where(magnitude >= MIN_NORMAL, normal, subnormal)
-        return tl.where(x < 0, -rounded, rounded)
+        rounded = tl.where(x < 0, -rounded, rounded)
+        return tl.where(x != x, x, rounded)  # NaN stays NaN
+
+    @triton.jit
+    def _max_with_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
     def _quantize_rows(
@@ -346,6 +363,7 @@ if triton is not None:
         SKIP_UNUSED: tl.constexpr,
         MIN_NORMAL: tl.constexpr,
         SUBNORMAL_STEPS: tl.constexpr,
+        NAN_BYTE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         """``quantize_per_row`` of one row: ``scale = max(max|x|, 1e-12) / fp8_max``,
@@ -359,19 +377,29 @@ if triton is not None:
             if tl.load(rows_ptr + row) < 0:
                 return
         base = x_ptr + row.to(tl.int64) * stride_x
+        # NaN propagates as in the reference (a NaN row quantizes to NaN).
         peak = tl.zeros((BLOCK,), tl.float32)
         for c0 in range(0, cols, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
             x = tl.load(base + c, mask=c < cols, other=0.0).to(tl.float32)
-            peak = tl.maximum(peak, tl.abs(x))
-        scale = tl.math.div_rn(tl.maximum(tl.max(peak, axis=0), 1e-12), fp8_max)
+            peak = tl.maximum(peak, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+        peak = tl.reduce(peak, 0, _max_with_nan)
+        scale = tl.math.div_rn(
+            tl.maximum(peak, 1e-12, propagate_nan=tl.PropagateNan.ALL), fp8_max
+        )
         out = out_ptr + row.to(tl.int64) * stride_out
         for c0 in range(0, cols, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
             x = tl.load(base + c, mask=c < cols, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+            q = tl.math.div_rn(x, scale)
+            q = tl.maximum(q, -fp8_max, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.minimum(q, fp8_max, propagate_nan=tl.PropagateNan.ALL)
             q = _round_to_e4m3(q, MIN_NORMAL, SUBNORMAL_STEPS)
-            tl.store(out + c, q.to(out_ptr.dtype.element_ty), mask=c < cols)
+            # The cast is exact (q is an e4m3 value); NaN gets the format's NaN
+            # byte explicitly (the interpreter's cast turns it into a number).
+            bits = q.to(out_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+            bits = tl.where(q != q, NAN_BYTE, bits)
+            tl.store(out.to(tl.pointer_type(tl.uint8)) + c, bits, mask=c < cols)
         tl.store(scale_ptr + row, scale)
 
     @triton.jit
@@ -548,7 +576,8 @@ def group_capacity(pairs: int, num_experts: int, block_m: int) -> int:
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
     """``sort_by_expert`` in two Triton launches, nothing read back: the same
     ``(rows, block_expert, used_rows)`` except the order of the pairs within an
-    expert's group (which the GEMMs do not depend on); ``rows`` is int32."""
+    expert's group (which the GEMMs do not depend on); ``rows`` is int32. A pair
+    routed outside ``[0, num_experts)`` (another rank's expert) is not placed."""
     flat = ids.reshape(-1).contiguous()
     pairs = flat.numel()
     capacity = group_capacity(pairs, num_experts, block_m)
@@ -637,8 +666,9 @@ def latent_moe(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
-    the reference). ``fp8_dtype``: the activations' FP8 dtype for MXFP4 weights.
-    Tiles: ``default_tiles`` unless given."""
+    the reference). Both leave out pairs routed outside ``[0, E)``: another rank's
+    experts. ``fp8_dtype``: the activations' FP8 dtype for MXFP4 weights. Tiles:
+    ``default_tiles`` unless given."""
     tiles = default_tiles(experts.fmt, z.shape[0])
     block_m, block_n, block_k = (
         given or default

@@ -16,9 +16,11 @@ Shapes (Kimi-K3: ``H`` = 96 heads before TP, latent ``DV`` = 512, ``DPE`` = 64):
 Dots (``dot_format``): with a ``bfloat16`` query over an FP8 cache (the model's case
 on a GPU), both dots run on fp16 tensor cores with fp32 accumulation: every e4m3
 value is exact in fp16 (and a GPU converts e4m3 to fp16 in one instruction a pair,
-where bf16 takes a detour through fp16 or fp32), the query enters divided by 2^8
-(exact in fp16 for every magnitude from 2^-9 to 2^24), the layer's scale is applied
-to the scores and the output instead of the values, and the softmax weights, as
+where bf16 takes a detour through fp16 or fp32), the query enters scaled by the
+power of two that puts its largest magnitude in [2^14, 2^15) (finite in fp16, and
+exact down to 2^-31 of that largest; a smaller component rounds by at most 2^-40
+of it), the layer's scale is applied to the scores and the output instead of the
+values, and the softmax weights, as
 ``p · 2^15``, are rounded to fp16 (ties to even) for the value dot while their sum
 stays fp32. The output then differs from the reference by at most
 ``2^-11 · max|value|`` plus fp32 summation order; the LSE by summation order only.
@@ -118,7 +120,6 @@ except ImportError:  # pragma: no cover - the CPU path needs no Triton
 
 
 if triton is not None:
-    FP16_QUERY_SCALE = tl.constexpr(2.0**-8)
     FP16_WEIGHT_SCALE = tl.constexpr(2.0**15)
 
     @triton.jit
@@ -216,12 +217,22 @@ if triton is not None:
         q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0)
         score_scale = softmax_scale * kv_scale
         if DOTS >= 2:
-            # fp16 dots: the query enters as q / 2^8, so that any bf16 query up to
-            # 2^24 stays finite in fp16 (exact from 2^-9 up); the scores are
-            # scaled back.
-            q_nope = (q_nope.to(tl.float32) * FP16_QUERY_SCALE).to(tl.float16)
-            q_pe = (q_pe.to(tl.float32) * FP16_QUERY_SCALE).to(tl.float16)
-            score_scale = score_scale / FP16_QUERY_SCALE
+            # fp16 dots: the query enters scaled by the power of two that puts its
+            # largest magnitude (over this program's heads) in [2^14, 2^15), so it
+            # stays finite in fp16 and exact down to 2^-31 of that largest; the
+            # scores are scaled back (powers of two: exact).
+            q_nope = q_nope.to(tl.float32)
+            q_pe = q_pe.to(tl.float32)
+            largest = tl.maximum(
+                tl.max(tl.max(tl.abs(q_nope), axis=1), axis=0),
+                tl.max(tl.max(tl.abs(q_pe), axis=1), axis=0),
+            )
+            exponent = ((largest.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
+            shift = tl.minimum(tl.maximum(141 - exponent, -100), 100)  # 14 - (e - 127)
+            q_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+            q_nope = (q_nope * q_scale).to(tl.float16)
+            q_pe = (q_pe * q_scale).to(tl.float16)
+            score_scale = score_scale / q_scale
         if DOTS == 3:
             score_scale = score_scale * PAIR_SCALE
 

@@ -54,11 +54,16 @@ def _interpreter_scalars_index_under_any_numpy() -> None:
 
     def patch_with_scalar_index(tensor, scope):
         patch_tensor(tensor, scope)
-        scope.set_attr(
-            tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0])
-        )
+        # ``.item()``: a one-element array of any rank; more elements raise.
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     interpreter._patch_lang_tensor = patch_with_scalar_index
+
+
+if interpreted() and importlib.util.find_spec("triton") is not None:
+    # Every kernel module imports this one: the patch is in before any launch,
+    # whichever launcher (or kernel helper) runs first.
+    _interpreter_scalars_index_under_any_numpy()
 
 
 # The chunked KDA kernels hold C x C and C x K tiles in registers: at 32 tokens a

@@ -159,6 +159,47 @@ def test_the_mxfp4_decode_gives_every_e2m1_value_exactly(dtype):
 
 
 @pytest.mark.parametrize(
+    "dtype",
+    [d for d, runs in zip(moe.FP8_DTYPES, (OCP_FP8_RUNS_HERE, FNUZ_RUNS_HERE)) if runs],
+    ids=str,
+)
+# The interpreter's NumPy casts of the NaN row warn; the result is what is checked.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_row_quantization_keeps_nan_and_inf_as_the_reference_does(dtype):
+    """A NaN anywhere in a row makes the whole row and its scale NaN; an inf makes
+    the scale inf, itself NaN and the row's finite values 0: as
+    ``quantize_per_row``, not a finite number in their place."""
+    x = torch.tensor(
+        [[float("nan"), 1.0, -1.0, 0.0], [float("inf"), 1.0, -2.0, 0.0], [1, 2, 3, 4]]
+    )
+    values, scale = moe.quantize_rows(x.to(DEVICE), dtype)
+    want_values, want_scale = moe.quantize_per_row(x, dtype)
+    assert torch.equal(scale.cpu().isnan(), want_scale.isnan())
+    assert torch.equal(scale.cpu().isinf(), want_scale.isinf())
+    got, want = values.cpu().float(), want_values.float()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_pairs_routed_to_other_ranks_experts_are_left_out(fmt):
+    """Ids outside ``[0, E)`` (another rank's experts; -1, E, and 2^32 + 1, which
+    an int32 cast would wrap to expert 1) are not placed by the grouping, and the
+    kernel and the reference both leave them out."""
+    z, ids, weights, w13, w2 = _case(5, 8, 2)
+    ids = ids.clone()
+    ids[0, 0], ids[1, 1], ids[2, 0] = -1, 8, 2**32 + 1
+    ids = ids.to(DEVICE)
+    rows, _, _ = moe.group_by_expert(ids, 8, 16)
+    placed = rows[rows >= 0].long().cpu()
+    assert sorted(placed.tolist()) == sorted(set(range(10)) - {0, 3, 4})
+    packed = BUILDERS[fmt](w13, w2)
+    got = moe.latent_moe(z, ids, weights, packed)
+    expected = moe.latent_moe_reference(z, ids, weights, packed)
+    assert _agrees(got, expected)
+
+
+@pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "block_m"),
     [
         (0, 8, 2, 16),

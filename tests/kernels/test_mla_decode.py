@@ -289,21 +289,23 @@ def test_fp16_and_fp32_caches_keep_fp32_dots():
         assert kernel.dot_format(q, torch.zeros(1, 1, 576, dtype=dtype)) == "fp32"
 
 
-def test_fp16_dots_keep_every_bf16_query_from_2_to_the_minus_9_to_2_to_the_24():
-    """The query enters the fp16 dots divided by 2^8: bf16 queries over 11 decades
-    (all magnitudes from 2^-9 to 2^23) give the fp32 path's scores, to fp32
-    summation order."""
-    lens = [40]
-    q, cache, table, seq_lens = _setup(
-        lens, heads=16, rows=1, page_size=16, dtype=FP8[0], kv_scale=1.0
+@pytest.mark.parametrize("overall", [2.0**-40, 2.0**-13, 1.0, 2.0**60])
+@pytest.mark.parametrize("dots", ["fp16", "fp16-pairs"])
+def test_fp16_dots_keep_bf16_queries_of_any_magnitude(overall, dots):
+    """The query enters the fp16 dots scaled by a power of two chosen from its
+    largest magnitude: queries whose components span 2^-30 to 1 of their largest,
+    at overall magnitudes from 2^-40 to 2^60, give the fp32 path's LSE (to fp32
+    summation order) and stay within the fp16 output bound, at a kv scale of 16."""
+    q, cache, table, lens = _setup(
+        [40], heads=16, rows=1, page_size=16, dtype=FP8[0], kv_scale=16.0
     )
-    magnitudes = torch.logspace(-9, 23, q.shape[-1], base=2, device=q.device)
-    q = (q / q.abs() * magnitudes).to(torch.bfloat16)
-    # A peaked softmax on one component's scale: compare the LSE, which carries the
-    # scores without the weights' rounding.
-    _, lse = kernel.mla_decode(q, cache, table, seq_lens)
-    _, ref_lse = kernel.mla_decode(q.float(), cache, table, seq_lens)
-    assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-3)
+    magnitudes = torch.logspace(-30, 0, q.shape[-1], base=2, device=q.device)
+    q = (q / q.abs() * magnitudes * overall).to(torch.bfloat16)
+    out, lse = kernel.mla_decode(q, cache, table, lens, kv_scale=16.0, dots=dots)
+    ref_out, ref_lse = kernel.mla_decode(q.float(), cache, table, lens, kv_scale=16.0)
+    assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    largest = cache[..., :512].float().abs().max() * 16.0
+    assert (out - ref_out).abs().max() <= 2**-11 * largest + 1e-4 * largest
 
 
 def test_weights_round_to_bf16_ties_to_even():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import pytest
 
 from k3_triton_kernels import runtime
 
@@ -41,3 +42,6 @@ def test_a_one_element_scalar_indexes_without_numpy_s_deprecated_conversion():
         assert list(range(scalar, 10)) == [7, 8, 9]
     scalar.handle = _Handle(np.array(4, dtype=np.int64))  # 0-d, as Triton 3.7 on
     assert list(range(scalar)) == [0, 1, 2, 3]
+    scalar.handle = _Handle(np.array([1, 2]))  # not a scalar: refused, not read
+    with pytest.raises(ValueError):
+        range(scalar)
