@@ -274,3 +274,36 @@ def test_the_kept_channel_is_dropped_when_decided():
     assert reader._kept is not None
     reader.feed(THINK_END)
     assert reader._kept is None
+
+
+@pytest.mark.parametrize(
+    ("output", "content"),
+    [
+        # A stray think closer dropped from the reply between "<|close|" and ">".
+        (
+            "<|close|>think<|sep|><|close|<|close|>think<|sep|>>",
+            "<|close|\u200b>",
+        ),
+        # An atom joined across two dropped markers, and one across a single one.
+        (
+            "<|close|>think<|sep|>a<|s<|close|>think<|sep|>e<|close|>think<|sep|>p|>b",
+            "a<|sep|\u200b>b",
+        ),
+        (
+            "<|close|>think<|sep|>x<|end_of_msg|<|open|>>y",
+            "x<|end_of_msg|\u200b>y",
+        ),
+        # Nothing joins: the text is untouched.
+        ("<|close|>think<|sep|>a > b <|close|>think<|sep|>c>", "a > b c>"),
+    ],
+)
+def test_text_on_two_sides_of_dropped_framing_never_joins_into_an_atom(output, content):
+    """Every whole atom in the output is a marker, so an atom in content could only
+    be joined from the text on the two sides of framing the reader drops. A zero-width
+    space goes before such an atom's last character: nothing is lost, no control
+    atom reaches content, and every chunking gives the same content."""
+    whole = read_whole(output, start=Channel.THINK, stopped=True)
+    assert whole.content == content
+    for name, chunks in chunkings(output).items():
+        streamed = read_streamed(chunks, Channel.THINK, True, ReplayPolicy.REPLAY)
+        assert streamed == whole, name

@@ -72,6 +72,11 @@ _TOOLS_OPENERS = frozenset({vocab.TOOLS_START, vocab.CALL_START_UNWRAPPED})
 _THINK_STATE_MARKERS = _THINK_EXITS | {vocab.TOOLS_START, vocab.RESPONSE_END}
 _RESPONSE_STATE_MARKERS = _TOOLS_OPENERS
 _ATOMS = tuple(vocab.ADDED_TOKENS)
+# Content kept to find an atom that the next piece completes.
+_ATOM_TAIL = max(len(atom) for atom in vocab.CONTROL_ATOMS) - 1
+# Every control atom ends with this character.
+_ATOM_LAST = ">"
+assert all(atom.endswith(_ATOM_LAST) for atom in vocab.CONTROL_ATOMS)
 
 
 class ReasoningReader:
@@ -82,6 +87,7 @@ class ReasoningReader:
         "_at_offset_zero",
         "_channel",
         "_closer_pending",
+        "_content_tail",
         "_events",
         "_kept",
         "_kept_quoted",
@@ -116,6 +122,8 @@ class ReasoningReader:
         # the feed ends: a thought full of dropped framing is still one event a feed.
         self._run: list[str] = []
         self._run_kind: type[ReaderEvent] | None = None
+        # The end of the content sent so far (see ``_break_joined_atoms``).
+        self._content_tail = ""
 
     @property
     def channel(self) -> Channel:
@@ -172,10 +180,46 @@ class ReasoningReader:
         return events
 
     def _push(self, kind: type[ReaderEvent], text: str) -> None:
+        if kind is Content:
+            text = self._break_joined_atoms(text)
         if kind is not self._run_kind:
             self._flush()
             self._run_kind = kind
         self._run.append(text)
+
+    def _break_joined_atoms(self, text: str) -> str:
+        """``text`` as content, with ``ATOM_BREAK`` before the last character of any
+        control atom it completes. The scanner reads every whole atom in the output
+        as a marker, so an atom in content can only be joined from text on the two
+        sides of dropped framing (``<|close|`` + a dropped marker + ``>``). The break
+        goes before the atom's last character, which is always in the newest piece:
+        where it lands depends on the content alone, not on how it was chunked."""
+        tail = self._content_tail
+        if _ATOM_LAST in text:
+            ends = []
+            for atom in vocab.CONTROL_ATOMS:
+                last = len(atom) - 1
+                # Inside the piece (its text joined across dropped framing), and
+                # across the seam with the content before it: no copy of the piece.
+                ends += (found + last for found in _occurrences(text, atom))
+                edge = tail + text[:last]
+                ends += (
+                    found + last - len(tail)
+                    for found in _occurrences(edge, atom)
+                    if found < len(tail)
+                )
+            if ends:
+                pieces, at = [], 0
+                for end in sorted(ends):
+                    pieces += (text[at:end], vocab.ATOM_BREAK)
+                    at = end
+                pieces.append(text[at:])
+                text = "".join(pieces)
+        if len(text) >= _ATOM_TAIL:
+            self._content_tail = text[-_ATOM_TAIL:]
+        else:
+            self._content_tail = (tail + text)[-_ATOM_TAIL:]
+        return text
 
     def _flush(self) -> None:
         if self._run:
@@ -343,6 +387,14 @@ class _KeptText:
 
     def getvalue(self) -> str:
         return "".join(self._blocks) + "".join(self._pieces)
+
+
+def _occurrences(text: str, atom: str):
+    """Where ``atom`` starts in ``text`` (atoms cannot overlap themselves)."""
+    found = text.find(atom)
+    while found != -1:
+        yield found
+        found = text.find(atom, found + len(atom))
 
 
 def _without_spans(text: str, spans: list[tuple[int, int]]) -> str:
