@@ -488,6 +488,18 @@ def mla_decode(
     values are exact there too), and any pair ``"fp32"``."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(192)
+    # A dot format the pair cannot take is refused on either path.
+    fitting = dot_format(q, cache)
+    if dots is None:
+        dots = fitting
+    elif dots not in {"fp32", fitting, *FP8_ALTERNATIVES.get(fitting, ())}:
+        raise ValueError(
+            f"{dots} dots for a {q.dtype} query over a {cache.dtype} cache"
+        )
+    if dots == "fp16-pairs" and any(
+        x % 2 for x in (cache.storage_offset(), cache.stride(0), cache.stride(1))
+    ):
+        raise ValueError("fp16-pairs dots read the cache as 16-bit words: unaligned")
     reason = reference_because or _unsupported(q, cache, value_dim)
     log_path("MLA decode", reason)
     if reason is not None:
@@ -503,17 +515,6 @@ def mla_decode(
     batch, rows, heads, _ = q.shape
     rope = q.shape[-1] - value_dim
     page_size = cache.shape[1]
-    fitting = dot_format(q, cache)
-    if dots is None:
-        dots = fitting
-    elif dots not in {"fp32", fitting, *FP8_ALTERNATIVES.get(fitting, ())}:
-        raise ValueError(
-            f"{dots} dots for a {q.dtype} query over a {cache.dtype} cache"
-        )
-    if dots == "fp16-pairs" and any(
-        x % 2 for x in (cache.storage_offset(), cache.stride(0), cache.stride(1))
-    ):
-        raise ValueError("fp16-pairs dots read the cache as 16-bit words: unaligned")
     if block_n is None:
         block_n = default_block_n(page_size)
     if max_seq_len is not None:

@@ -229,6 +229,10 @@ def test_an_fp8_cache_also_takes_bf16_dots_and_nothing_else_odd():
     assert (out - ref_out).abs().max() <= 2**-8 * largest + 1e-4
     with pytest.raises(ValueError, match="fp16 dots"):
         kernel.mla_decode(q.float(), cache, table, lens, dots="fp16")
+    with pytest.raises(ValueError, match="fp16 dots"):  # the reference path too
+        kernel.mla_decode(
+            q.float(), cache, table, lens, dots="fp16", reference_because="a test"
+        )
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
