@@ -1,10 +1,12 @@
-"""Tile sweep of the FP8 latent MoE on a GPU, timed by CUDA-graph replays as
+"""Tile sweep of the latent MoE on a GPU, timed by CUDA-graph replays as
 ``bench_kernels.py`` times it: K3's shapes on one device (112 experts, top-16,
-latent 3584, inner 3072) at 1, 16, 256 and 4,096 tokens; block_m 16 (under 256
+latent 3584, inner 3072) at 1, 16, 256 and 4,096 tokens. FP8: block_m 16 (under 256
 tokens) or 64/128, block_n x block_k 64 x 128 and 128 x 128, 4 warps (8 were never
-faster in the sweep before), 3 and 4 pipeline stages. Prints the default and the
-four fastest per token count, and what the steps around the GEMMs take alone (the
-expert grouping, the activations' quantization) next to vLLM's two GEMMs.
+faster in the sweep before), 3 and 4 pipeline stages; MXFP4 (up to 256 tokens):
+block_n 64/128 on the 32-wide scale block, 4 and 8 warps, 3 and 4 stages. Prints
+the default and the four fastest per token count, and, for FP8, what the steps
+around the GEMMs take alone (the expert grouping, the activations' quantization)
+next to vLLM's two GEMMs.
 
     python benchmarks/sweep_moe_tiles.py    # on a CUDA / ROCm GPU; about 3 minutes
 
@@ -31,48 +33,56 @@ def microseconds(run) -> float:
     return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
 
 
+def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
+    """The default tiles' time and the four fastest configurations of ``fmt``."""
+    default = moe.default_tiles(fmt, tokens)
+    if fmt == "mxfp4":  # block_k is the 32-wide scale block
+        block_ms = (64,) if tokens >= 256 else (16,)
+        configs = itertools.product(block_ms, ((64, 32), (128, 32)), (4, 8), (3, 4))
+    else:
+        block_ms = (64, 128) if tokens >= 256 else (16,)
+        configs = itertools.product(block_ms, ((64, 128), (128, 128)), (4,), (3, 4))
+    results = []
+    for block_m, (block_n, block_k), warps, stages in [
+        (default[0], default[1:], 4, None),
+        *configs,
+    ]:
+        run = functools.partial(
+            moe.latent_moe, z, ids, weights, packed, block_m=block_m,
+            block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        try:
+            us = microseconds(run)
+        except Exception as error:  # out of resources: report, go on
+            print(f"T={tokens} {fmt} {block_m}/{block_n}/{block_k}: {error!r:.100}")
+            continue
+        results.append((us, block_m, block_n, block_k, warps, stages))
+    default_us = results[0][0]
+    results.sort(key=lambda result: result[0])
+    best = [
+        f"{us:.1f} bm{bm} bn{bn} bk{bk} w{w} s{s}"
+        for us, bm, bn, bk, w, s in results[:4]
+    ]
+    return default_us, best
+
+
 def main() -> None:
     device = torch.device("cuda")
     torch.manual_seed(0)
     w13 = torch.randn(EXPERTS, 2 * INNER, LATENT, device=device) / LATENT**0.5
     w2 = torch.randn(EXPERTS, LATENT, INNER, device=device) / INNER**0.5
     packed = moe.fp8_experts_from(w13, w2)
+    mxfp4 = moe.mxfp4_experts_from(w13, w2)
     del w13, w2
     started = time.time()
     for tokens in (1, 16, 256, 4096):
         z = torch.randn(tokens, LATENT, device=device)
         logits = torch.randn(tokens, EXPERTS, device=device)
         weights, ids = route(logits, torch.zeros(EXPERTS, device=device), TOP_K)
-        default = moe.default_tiles("fp8", tokens)
-        block_ms = (64, 128) if tokens >= 256 else (16,)
-        tiles = ((64, 128), (128, 128))
-        configs = [(*default, 4, None)]
-        configs += [
-            (bm, bn, bk, warps, stages)
-            for bm, (bn, bk), warps, stages in itertools.product(
-                block_ms, tiles, (4,), (3, 4)
-            )
-        ]
-        results = []
-        for block_m, block_n, block_k, warps, stages in configs:
-            run = functools.partial(
-                moe.latent_moe, z, ids, weights, packed, block_m=block_m,
-                block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
-            )  # fmt: skip
-            try:
-                us = microseconds(run)
-            except Exception as error:  # out of resources: report, go on
-                print(f"T={tokens} {block_m}/{block_n}/{block_k}: {error!r:.100}")
-                continue
-            results.append((us, block_m, block_n, block_k, warps, stages))
-        default_us = results[0][0]
-        results.sort()
-        best = [
-            f"{us:.1f} bm{bm} bn{bn} bk{bk} w{w} s{s}"
-            for us, bm, bn, bk, w, s in results[:4]
-        ]
+        default_us, best = sweep(packed, "fp8", tokens, z, ids, weights)
+        block_m = moe.default_tiles("fp8", tokens)[0]
         grouping = microseconds(
-            lambda ids=ids, bm=default[0]: moe.group_by_expert(ids, EXPERTS, bm)
+            lambda ids=ids, bm=block_m: moe.group_by_expert(ids, EXPERTS, bm)
         )
         quantize = microseconds(lambda z=z: moe.quantize_rows(z, moe.FP8))
         try:
@@ -82,10 +92,13 @@ def main() -> None:
         except Exception as error:  # a baseline that does not run is reported
             vllm = f"failed ({error!r:.80})"
         print(
-            f"T={tokens} default={default_us:.1f}us best: {best}; grouping "
+            f"T={tokens} fp8 default={default_us:.1f}us best: {best}; grouping "
             f"{grouping:.1f}us, z quantization {quantize:.1f}us; vLLM GEMMs {vllm}us",
             flush=True,
         )
+        if tokens <= 256:  # MXFP4 at 4,096 tokens took 0.1 s a call before
+            default_us, best = sweep(mxfp4, "mxfp4", tokens, z, ids, weights)
+            print(f"T={tokens} mxfp4 default={default_us:.1f}us best: {best}")
     print("elapsed", time.time() - started)
 
 
