@@ -6,17 +6,17 @@
 For each kernel and shape it prints the device time (CUDA-graph replays: the
 kernels' own time, as a captured decode step pays it), the wall time of one eager
 call with its launches (what an uncaptured scheduler step pays), achieved TB/s and
-TFLOP/s, the fraction of the chip's roofline (MI355X: 8 TB/s, ~5 PFLOP/s dense
-FP8; H200: 4.8 TB/s, ~1.98 PFLOP/s dense FP8), and the ratio against vLLM's Triton
-kernel for the same job (``decode_attention_fwd`` for MLA decode, ``fused_experts``
-for the MoE), when that
-kernel runs here; a baseline that fails is reported, not hidden. The KDA prefill
-(the chunk-terms and state-pass kernels) is set against vLLM's ``chunk_kda``, and the
-chunk-terms kernel alone against the batched PyTorch terms it replaces. Some rows are
-inputs to decisions rather than kernels of ours being judged: the KDA decode step
-against its PyTorch reference, the chunked PyTorch prefill against the per-token
-definition, and the attention-residual mix as PyTorch runs it today (how far it sits
-below the HBM roofline is what a fused mix kernel could win).
+TFLOP/s, the fraction of the chip's roofline (MI355X: 8 TB/s, ~5 PFLOP/s dense FP8;
+H200: 4.8 TB/s, ~1.98 PFLOP/s dense FP8), and the ratio against vLLM's Triton kernel
+for the same job (``decode_attention_fwd`` for MLA decode, ``fused_experts`` for the
+MoE), when that kernel runs here; a baseline that fails is reported, not hidden. The
+KDA prefill (the chunk-terms and state-pass kernels) is set against vLLM's
+``chunk_kda``, and the chunk-terms kernel alone against the batched PyTorch terms it
+replaces. Some rows are inputs to decisions rather than kernels of ours being
+judged: the KDA decode step against its PyTorch reference, the chunked PyTorch
+prefill against the per-token definition, and the attention-residual mix as PyTorch
+runs it today (how far it sits below the HBM roofline is what a fused mix kernel
+could win).
 
 Bytes are what the job must read and write at least (the FP8 cache rows of every
 sequence; each used expert's weights once, plus activations); FLOPs are the GEMM
@@ -422,14 +422,11 @@ def bench_mla(device, smoke, warmup, repeats):
         q_dtype = torch.float32 if smoke else torch.bfloat16
         q = torch.randn(batch, 1, heads, dv + dpe, device=device, dtype=q_dtype)
         cuda = device.type == "cuda"
-        ours = timed(
-            lambda q=q, cache=cache, table=table, lens=lens, context=context: (
-                k.mla_decode(q, cache, table, lens, kv_scale=1.0, max_seq_len=context)
-            ),
-            warmup=warmup,
-            repeats=repeats,
-            cuda=cuda,
-        )
+
+        def run_ours(q=q, cache=cache, table=table, lens=lens, context=context):
+            return k.mla_decode(q, cache, table, lens, max_seq_len=context)
+
+        ours = timed(run_ours, warmup=warmup, repeats=repeats, cuda=cuda)
         moved = (
             batch * context * (dv + dpe) * 1
             + q.numel() * q.element_size()
@@ -440,18 +437,11 @@ def bench_mla(device, smoke, warmup, repeats):
             "kernel": "mla_decode",
             "shape": f"B={batch} ctx={context} H={heads}",
             "s": ours,
-            "eager_s": wall_timed(
-                lambda q=q, cache=cache, table=table, lens=lens, context=context: (
-                    k.mla_decode(q, cache, table, lens, max_seq_len=context)
-                ),
-                warmup=1,
-                repeats=repeats,
-                cuda=cuda,
-            ),
+            "eager_s": wall_timed(run_ours, warmup=1, repeats=repeats, cuda=cuda),
             "bytes": moved,
             "flops": flops,
         }
-        ours_out = k.mla_decode(q, cache, table, lens, max_seq_len=context)[0][:, 0]
+        ours_out = run_ours()[0][:, 0]
         _side_by_side(
             row, _vllm_mla(q, cache, table, lens, warmup, repeats, cuda), ours_out
         )
@@ -551,14 +541,11 @@ def bench_moe(device, smoke, warmup, repeats):
             ("mxfp4", moe.mxfp4_experts_from),
         ):
             packed = build(w13, w2)
-            seconds = timed(
-                lambda packed=packed, z=z, ids=ids, weights=weights: moe.latent_moe(
-                    z, ids, weights, packed
-                ),
-                warmup=warmup,
-                repeats=repeats,
-                cuda=cuda,
-            )
+
+            def run_ours(packed=packed, z=z, ids=ids, weights=weights):
+                return moe.latent_moe(z, ids, weights, packed)
+
+            seconds = timed(run_ours, warmup=warmup, repeats=repeats, cuda=cuda)
             used = len(ids.unique())
             per_weight = {"fp8": 1, "fp8-block": 1 + 4 / 128**2}.get(fmt, 0.5 + 1 / 32)
             # each used expert's weights once; the fp32 latent read and written
@@ -568,14 +555,7 @@ def bench_moe(device, smoke, warmup, repeats):
                 "kernel": f"latent_moe[{fmt}]",
                 "shape": f"T={tokens} E={experts} k={top_k} L={latent} I={inner}",
                 "s": seconds,
-                "eager_s": wall_timed(
-                    lambda packed=packed, z=z, ids=ids, weights=weights: moe.latent_moe(
-                        z, ids, weights, packed
-                    ),
-                    warmup=1,
-                    repeats=repeats,
-                    cuda=cuda,
-                ),
+                "eager_s": wall_timed(run_ours, warmup=1, repeats=repeats, cuda=cuda),
                 "bytes": moved,
                 "flops": flops,
             }
@@ -583,7 +563,7 @@ def bench_moe(device, smoke, warmup, repeats):
                 _side_by_side(
                     row,
                     _vllm_moe(z, ids, weights, packed, warmup, repeats, cuda),
-                    moe.latent_moe(z, ids, weights, packed),
+                    run_ours(),
                 )
                 row["baseline"] = "vLLM fused_moe_kernel GEMMs alone"
             else:

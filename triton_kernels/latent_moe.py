@@ -33,11 +33,16 @@ from typing import NamedTuple
 
 import torch
 
-from k3_triton_kernels.runtime import log_path, triton_blocker
+from k3_triton_kernels.runtime import (
+    E4M3_EXPONENT_BIAS,
+    E4M3_NAN_BYTE,
+    FP8_DTYPES,
+    log_path,
+    triton_blocker,
+)
 from vllm_k3_plugin.model.reference import mxfp4_decode, mxfp4_encode, situ_glu
 
 FP8 = torch.float8_e4m3fn
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 MXFP4_BLOCK = 32
 SCALE_BLOCK = 128
 
@@ -174,20 +179,17 @@ except ImportError:  # pragma: no cover
     triton = None
 
 FORMATS = {"fp8": 0, "mxfp4": 1, "fp8-block": 2}
-# The byte of 0.5 in each e4m3 flavour (exponent bias 7 and 8).
-E4M3_HALF = {torch.float8_e4m3fn: 0x30, torch.float8_e4m3fnuz: 0x38}
-# Where each e4m3 flavour's subnormals end, their steps per unit, and its NaN byte.
+# The byte of 0.5 in each e4m3 flavour: exponent field bias - 1, mantissa 0.
+E4M3_HALF = {dtype: (bias - 1) << 3 for dtype, bias in E4M3_EXPONENT_BIAS.items()}
+# Where each e4m3 flavour's subnormals end (2^(1 - bias)), their steps per unit
+# (2^(bias + 2): three mantissa bits below the smallest normal), and its NaN byte.
 E4M3_RANGES = {
-    torch.float8_e4m3fn: {
-        "MIN_NORMAL": 2.0**-6,
-        "SUBNORMAL_STEPS": 2.0**9,
-        "NAN_BYTE": 0x7F,
-    },
-    torch.float8_e4m3fnuz: {
-        "MIN_NORMAL": 2.0**-7,
-        "SUBNORMAL_STEPS": 2.0**10,
-        "NAN_BYTE": 0x80,
-    },
+    dtype: {
+        "MIN_NORMAL": 2.0 ** (1 - bias),
+        "SUBNORMAL_STEPS": 2.0 ** (bias + 2),
+        "NAN_BYTE": E4M3_NAN_BYTE[dtype],
+    }
+    for dtype, bias in E4M3_EXPONENT_BIAS.items()
 }
 # The K span of one weight scale (per-channel FP8 has one scale for all of K).
 SCALE_SPAN = {"mxfp4": 32, "fp8-block": 128}

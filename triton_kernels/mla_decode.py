@@ -40,6 +40,8 @@ import math
 import torch
 
 from k3_triton_kernels.runtime import (
+    E4M3_EXPONENT_BIAS,
+    FP8_DTYPES,
     interpreted,
     log_path,
     triton_blocker,
@@ -48,14 +50,6 @@ from k3_triton_kernels.runtime import (
     num_warps as platform_warps,
 )
 
-FP8_DTYPES = tuple(
-    d
-    for d in (
-        getattr(torch, "float8_e4m3fn", None),
-        getattr(torch, "float8_e4m3fnuz", None),
-    )
-    if d
-)
 CACHE_DTYPES = (*FP8_DTYPES, torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -569,7 +563,8 @@ def mla_decode(
             BLOCK_N=block_n,
             PAGE_TILES=page_size % block_n == 0,
             DOTS=DOTS[dots],
-            PAIR_SCALE=128.0 if cache.dtype == torch.float8_e4m3fnuz else 256.0,
+            # The byte moves divide by 2^(fp16's exponent bias 15 - e4m3's).
+            PAIR_SCALE=2.0 ** (15 - E4M3_EXPONENT_BIAS.get(cache.dtype, 7)),
             INTERPRETED=interpreted(),
             # fp32 dots hold twice the registers: at 4 warps they spill 11 KB on
             # sm90 and ptxas takes minutes over them.

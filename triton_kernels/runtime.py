@@ -66,6 +66,14 @@ if interpreted() and importlib.util.find_spec("triton") is not None:
     _interpreter_scalars_index_under_any_numpy()
 
 
+# The e4m3 flavours the kernels read, by exponent bias: OCP e4m3fn (MI355X, CUDA)
+# and gfx94x's e4m3fnuz. Every per-flavour constant of the kernels derives from it.
+E4M3_EXPONENT_BIAS = {torch.float8_e4m3fn: 7, torch.float8_e4m3fnuz: 8}
+FP8_DTYPES = tuple(E4M3_EXPONENT_BIAS)
+# Each flavour's NaN byte (fnuz has no negative zero: 0x80 is its NaN).
+E4M3_NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e4m3fnuz: 0x80}
+
+
 # The chunked KDA kernels hold C x C and C x K tiles in registers: at 32 tokens a
 # chunk they spill on sm90 (8 KB of stack at 4 warps, 640 B at 8), so the model runs
 # them on chunks of at most 16.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from k3_triton_kernels.runtime import FP8_DTYPES
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -22,3 +24,8 @@ def _gfx94x() -> bool:
 # e4m3fnuz only on gfx94x, OCP e4m3fn elsewhere (Triton has no fp8e4b8 on NVIDIA).
 FNUZ_RUNS_HERE = DEVICE.type == "cpu" or _gfx94x()
 OCP_FP8_RUNS_HERE = DEVICE.type == "cpu" or not _gfx94x()
+FP8_DTYPES_HERE = [
+    dtype
+    for dtype in FP8_DTYPES
+    if (FNUZ_RUNS_HERE if dtype == torch.float8_e4m3fnuz else OCP_FP8_RUNS_HERE)
+]

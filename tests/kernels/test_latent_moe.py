@@ -22,7 +22,7 @@ from tests.host_reads import HostRead, no_host_reads
 from tests.kernels.placement import (
     DEVICE,
     FNUZ_RUNS_HERE,
-    OCP_FP8_RUNS_HERE,
+    FP8_DTYPES_HERE,
     on_device,
 )
 from vllm_k3_plugin.model.reference import mxfp4_decode as ref_mxfp4_decode
@@ -130,7 +130,7 @@ FNUZ = torch.float8_e4m3fnuz
 
 @pytest.mark.parametrize(
     "dtype",
-    [d for d, runs in zip(moe.FP8_DTYPES, (OCP_FP8_RUNS_HERE, FNUZ_RUNS_HERE)) if runs],
+    FP8_DTYPES_HERE,
     ids=str,
 )
 def test_the_mxfp4_decode_gives_every_e2m1_value_exactly(dtype):
@@ -160,7 +160,7 @@ def test_the_mxfp4_decode_gives_every_e2m1_value_exactly(dtype):
 
 @pytest.mark.parametrize(
     "dtype",
-    [d for d, runs in zip(moe.FP8_DTYPES, (OCP_FP8_RUNS_HERE, FNUZ_RUNS_HERE)) if runs],
+    FP8_DTYPES_HERE,
     ids=str,
 )
 # The interpreter's NumPy casts of the NaN row warn; the result is what is checked.
@@ -229,7 +229,7 @@ def test_grouping_kernel_forms_the_reference_groups(tokens, experts, top_k, bloc
 
 @pytest.mark.parametrize(
     "dtype",
-    [d for d, runs in zip(moe.FP8_DTYPES, (OCP_FP8_RUNS_HERE, FNUZ_RUNS_HERE)) if runs],
+    FP8_DTYPES_HERE,
     ids=str,
 )
 def test_row_quantization_kernel_is_bit_exact(dtype):

@@ -15,17 +15,12 @@ import torch
 from k3_triton_kernels import mla_decode as kernel
 from tests.kernels.placement import (
     DEVICE,
-    FNUZ_RUNS_HERE,
-    OCP_FP8_RUNS_HERE,
+    FP8_DTYPES_HERE,
     on_device,
 )
 
 SCALE = 1 / math.sqrt(192)
-FP8 = [
-    d
-    for d in kernel.FP8_DTYPES
-    if (FNUZ_RUNS_HERE if d == torch.float8_e4m3fnuz else OCP_FP8_RUNS_HERE)
-]
+FP8 = FP8_DTYPES_HERE
 
 
 def _setup(

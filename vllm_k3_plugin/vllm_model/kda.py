@@ -180,6 +180,8 @@ class KdaAttention(nn.Module, MambaBase):
             )
             set_weight_attrs(conv.weight, {"weight_loader": sharded_weight_loader(0)})
             setattr(self, name, conv)
+        # ``_conv_weight``'s join of the three, with the weights' versions it is of.
+        self._conv_weight_cache: tuple[tuple, torch.Tensor] | None = None
         self.A_log = nn.Parameter(
             torch.empty(self.local_heads, dtype=torch.float32), requires_grad=False
         )
@@ -299,7 +301,7 @@ class KdaAttention(nn.Module, MambaBase):
         once and again only after a weight changes (loading writes in place)."""
         parts = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         key = tuple((part.data_ptr(), part._version) for part in parts)
-        cached = getattr(self, "_conv_weight_cache", None)
+        cached = self._conv_weight_cache
         if cached is None or cached[0] != key:
             cached = (key, torch.cat(parts))
             self._conv_weight_cache = cached
