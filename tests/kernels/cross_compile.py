@@ -12,6 +12,9 @@ unread.
 
     python -m tests.kernels.cross_compile sm90   # one JSON line per launch
 
+Each line also counts the launch's instructions (static: PTX for sm90, AMDGCN for
+gfx9xx), and on sm90 the classes that show how tiles reach the dots.
+
 Run it without ``TRITON_INTERPRET`` (interpreted kernels do not compile).
 """
 
@@ -69,12 +72,48 @@ class CompileInstead:
                 options=options.__dict__,
             )
             self.results.append(
-                {"launch": launch, "error": None, "spilled": spilled_bytes(compiled)}
+                {
+                    "launch": launch,
+                    "error": None,
+                    "spilled": spilled_bytes(compiled),
+                    "instructions": instruction_counts(compiled),
+                }
             )
         except Exception as error:
             cause = error.__cause__ or error
             message = f"{type(cause).__name__}: {cause}"[-2000:]
             self.results.append({"launch": launch, "error": message, "spilled": None})
+
+
+# Instruction classes worth counting in a kernel's PTX: how tiles reach the dots.
+PTX_CLASSES = {
+    "shared byte loads": r"ld\.shared(?:\.v\d)?\.[bsu]8\b",
+    "cp.async": r"cp\.async\.c[ag]\.shared\.global",
+    "ldmatrix": r"ldmatrix\.",
+    "mma": r"\b(?:mma|wgmma)\.",
+}
+
+
+def instruction_counts(compiled) -> dict[str, int]:
+    """The kernel's instructions (static, not executed): the total, and for NVIDIA
+    each of ``PTX_CLASSES``."""
+    if "ptx" in compiled.asm:
+        text, comment = compiled.asm["ptx"], "//"
+    else:
+        text, comment = compiled.asm.get("amdgcn", ""), ";"
+    lines = [line.strip() for line in text.splitlines()]
+    body = [
+        line
+        for line in lines
+        if line
+        and not line.startswith((comment, ".", "$", "{", "}"))
+        and not line.endswith(":")
+    ]
+    counts = {"total": len(body)}
+    if "ptx" in compiled.asm:
+        for name, pattern in PTX_CLASSES.items():
+            counts[name] = len(re.findall(pattern, text))
+    return counts
 
 
 def spilled_bytes(compiled) -> int | None:
