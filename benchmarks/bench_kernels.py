@@ -423,30 +423,40 @@ def bench_mla(device, smoke, warmup, repeats):
         q = torch.randn(batch, 1, heads, dv + dpe, device=device, dtype=q_dtype)
         cuda = device.type == "cuda"
 
-        def run_ours(q=q, cache=cache, table=table, lens=lens, context=context):
-            return k.mla_decode(q, cache, table, lens, max_seq_len=context)
+        baseline = _vllm_mla(q, cache, table, lens, warmup, repeats, cuda)
+        # The default dots, and on a GPU the fp16-pairs dots (opt-in until timed).
+        for kernel, dots in (
+            ("mla_decode", None),
+            ("mla_decode[fp16-pairs]", "fp16-pairs"),
+        ):
+            if dots is not None and smoke:
+                continue
 
-        ours = timed(run_ours, warmup=warmup, repeats=repeats, cuda=cuda)
-        moved = (
-            batch * context * (dv + dpe) * 1
-            + q.numel() * q.element_size()
-            + batch * heads * dv * 4
-        )
-        flops = 2 * batch * heads * context * ((dv + dpe) + dv)
-        row = {
-            "kernel": "mla_decode",
-            "shape": f"B={batch} ctx={context} H={heads}",
-            "s": ours,
-            "eager_s": wall_timed(run_ours, warmup=1, repeats=repeats, cuda=cuda),
-            "bytes": moved,
-            "flops": flops,
-        }
-        ours_out = run_ours()[0][:, 0]
-        _side_by_side(
-            row, _vllm_mla(q, cache, table, lens, warmup, repeats, cuda), ours_out
-        )
-        row["baseline"] = "vLLM decode_attention_fwd"
-        yield row
+            def run_ours(
+                q=q, cache=cache, table=table, lens=lens, context=context, dots=dots
+            ):
+                return k.mla_decode(
+                    q, cache, table, lens, max_seq_len=context, dots=dots
+                )
+
+            ours = timed(run_ours, warmup=warmup, repeats=repeats, cuda=cuda)
+            moved = (
+                batch * context * (dv + dpe) * 1
+                + q.numel() * q.element_size()
+                + batch * heads * dv * 4
+            )
+            flops = 2 * batch * heads * context * ((dv + dpe) + dv)
+            row = {
+                "kernel": kernel,
+                "shape": f"B={batch} ctx={context} H={heads}",
+                "s": ours,
+                "eager_s": wall_timed(run_ours, warmup=1, repeats=repeats, cuda=cuda),
+                "bytes": moved,
+                "flops": flops,
+            }
+            _side_by_side(row, baseline, run_ours()[0][:, 0])
+            row["baseline"] = "vLLM decode_attention_fwd"
+            yield row
 
 
 def _vllm_mla(q, cache, table, lens, warmup, repeats, cuda):

@@ -3,10 +3,13 @@ queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 ``bench_kernels.py`` times it.
 
 1. Tile, pipeline, warps and dot operands: ``block_n`` 32/64, ``num_stages`` 2/3,
-   4/8 warps, fp16 (the default), fp16-pairs or bf16 dots, each at the default
-   split count and at 2x of it, over four batch x context shapes; prints every
+   4/8 warps, fp16 (the default) or fp16-pairs dots (bf16 measured 1.1-1.3x
+   slower than fp16 in the runs before), and for fp16-pairs at
+   4 warps a register cap of 168 or 128 a thread (3 or 4 programs a
+   multiprocessor, against 2 at its 189), each at the default split count and at
+   1.5x and 2x of it, over four batch x context shapes; prints every
    configuration's time per shape.
-2. Split counts: for the fastest configuration of part 1, split counts from 1 to 2
+2. Split counts: for the fastest configuration of part 1, split counts from 1 to 3
    per multiprocessor on each shape, against ``default_num_splits``.
 
     python benchmarks/sweep_mla.py    # on a CUDA / ROCm GPU; about 2 minutes
@@ -58,19 +61,26 @@ def main() -> None:
     }
     print("defaults (splits):", {f"B={b} ctx={c}": s for (b, c), s in defaults.items()})
     results = []
-    configs = itertools.product(
-        (32, 64), (2, 3), (4, 8), ("fp16", "fp16-pairs", "bf16")
-    )
-    for block_n, stages, warps, dots in configs:
+    configs = [
+        (block_n, stages, warps, dots, registers)
+        for block_n, stages, warps, dots in itertools.product(
+            (32, 64), (2, 3), (4, 8), ("fp16", "fp16-pairs")
+        )
+        for registers in (
+            (None, 168, 128) if (dots, warps) == ("fp16-pairs", 4) else (None,)
+        )
+    ]
+    for block_n, stages, warps, dots, registers in configs:
         line = []
         total = 0.0
         for shape, (q, cache, table, lens) in cases.items():
             best = None
-            for factor in (1, 2):
+            for factor in (1, 1.5, 2):
                 run = functools.partial(
                     k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
-                    num_splits=defaults[shape] * factor, block_n=block_n,
-                    num_stages=stages, num_warps=warps, dots=dots,
+                    num_splits=max(1, round(defaults[shape] * factor)),
+                    block_n=block_n, num_stages=stages, num_warps=warps,
+                    dots=dots, max_registers=registers,
                 )  # fmt: skip
                 try:
                     us = microseconds(run)
@@ -86,33 +96,29 @@ def main() -> None:
             line.append(
                 f"B={shape[0]} ctx={shape[1]} {best[0]:.0f}us x{best[1]} {tbs:.2f}TB/s"
             )
-        results.append((total, block_n, stages, warps, dots))
-        print(
-            f"bn{block_n} stages{stages} warps{warps} {dots}: " + "; ".join(line),
-            flush=True,
-        )
-    results.sort()
-    _, block_n, stages, warps, dots = results[0]
-    print(
-        f"fastest: block_n {block_n}, {stages} stages, {warps} warps, {dots} dots",
-        flush=True,
-    )
+        label = f"bn{block_n} stages{stages} warps{warps} {dots} regs{registers}"
+        results.append((total, label, (block_n, stages, warps, dots, registers)))
+        print(f"{label}: " + "; ".join(line), flush=True)
+    results.sort(key=lambda result: result[0])
+    _, label, (block_n, stages, warps, dots, registers) = results[0]
+    print(f"fastest: {label}", flush=True)
     for shape, (q, cache, table, lens) in cases.items():
-        most = min(2 * sms, math.ceil(shape[1] / k.MIN_SPLIT_TOKENS))
-        counts = sorted({1, 2, 4, 8, 16, 64, sms, 2 * sms, defaults[shape]})
+        most = min(3 * sms, math.ceil(shape[1] / k.MIN_SPLIT_TOKENS))
+        counts = sorted({1, 2, 4, 8, 16, 64, sms, 2 * sms, 3 * sms, defaults[shape]})
         timings = []
         for splits in (s for s in counts if s <= most):
             run = functools.partial(
                 k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
                 num_splits=splits, block_n=block_n, num_stages=stages,
-                num_warps=warps, dots=dots,
+                num_warps=warps, dots=dots, max_registers=registers,
             )  # fmt: skip
             timings.append((microseconds(run), splits))
         default_us = dict((s, t) for t, s in timings).get(defaults[shape])
+        default_text = "untimed" if default_us is None else f"{default_us:.0f}us"
         timings.sort()
         print(
             f"B={shape[0]} ctx={shape[1]}: default {defaults[shape]} splits "
-            f"{default_us:.0f}us; fastest "
+            f"{default_text}; fastest "
             + ", ".join(f"{s} splits {t:.0f}us" for t, s in timings[:4]),
             flush=True,
         )

@@ -13,6 +13,13 @@ Shapes (Kimi-K3: ``H`` = 96 heads before TP, latent ``DV`` = 512, ``DPE`` = 64):
 - returns ``(out [B, Q, H, DV] fp32, lse [B, Q, H] fp32)``; the values are the first
   ``DV`` channels of the cache (the normalized ``c_kv``).
 
+The latent goes through both dots in two halves (256 + 256, and the 64 rope
+channels), so no operand holds a 512-wide row's registers. With fp16-pairs dots
+the accumulator is rescaled only on the tiles where some row's running maximum
+grows (the factor is exactly 1 on the others); the other formats rescale every
+tile, which on sm90 holds fewer registers there (bf16 over a bf16 cache: 130
+against 179) or spills less (fp16: 128 bytes against 152).
+
 Dots (``dot_format``): with a ``bfloat16`` query over an FP8 cache (the model's case
 on a GPU), both dots run on fp16 tensor cores with fp32 accumulation: every e4m3
 value is exact in fp16 (and a GPU converts e4m3 to fp16 in one instruction a pair,
@@ -39,6 +46,7 @@ import math
 
 import torch
 
+from k3_triton_kernels import runtime
 from k3_triton_kernels.runtime import (
     E4M3_EXPONENT_BIAS,
     FP8_DTYPES,
@@ -139,6 +147,56 @@ if triton is not None:
         return bits.to(tl.float16, bitcast=True)
 
     @triton.jit
+    def _e4m3fn_pairs_to_fp16_sm89(words, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """As ``_e4m3_pairs_to_fp16`` for ``float8_e4m3fn`` on NVIDIA sm89 and
+        later, by the hardware conversion (``cvt.rn.f16x2.e4m3x2``, one a pair),
+        values unscaled (NaN stays NaN). Not pure to Triton: a pure conversion is
+        recomputed for each dot that reads the tile, in each dot's layout; this
+        way it runs once and both dots read its fp16 tile from shared memory."""
+        low, high = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h",
+            [words],
+            dtype=(tl.float16, tl.float16),
+            is_pure=False,
+            pack=1,
+        )
+        return tl.reshape(tl.join(low, high), (ROWS, COLS))
+
+    @triton.jit
+    def _load_keys(
+        token_base,
+        first,
+        WIDTH: tl.constexpr,
+        n_mask,
+        BLOCK_N: tl.constexpr,
+        DOTS: tl.constexpr,
+        HARDWARE_CVT: tl.constexpr,
+    ):
+        """Cache columns ``[first, first + WIDTH)`` of the tile's tokens as the dots
+        take them: stored values (unscaled); for ``DOTS`` 3, the bytes read in
+        16-bit words and made fp16 in registers (by ``HARDWARE_CVT``, else bit
+        moves, divided by ``PAIR_SCALE``)."""
+        if DOTS == 3:
+            words = token_base.to(tl.pointer_type(tl.int16)) + first // 2
+            pairs = tl.load(
+                words[:, None] + tl.arange(0, WIDTH // 2)[None, :],
+                mask=n_mask[:, None],
+                other=0,
+            )
+            if HARDWARE_CVT:
+                keys = _e4m3fn_pairs_to_fp16_sm89(pairs, BLOCK_N, WIDTH)
+            else:
+                keys = _e4m3_pairs_to_fp16(pairs, BLOCK_N, WIDTH)
+        else:
+            keys = tl.load(
+                token_base[:, None] + first + tl.arange(0, WIDTH)[None, :],
+                mask=n_mask[:, None],
+                other=0.0,
+            )
+        return keys
+
+    @triton.jit
     def _dot(a, b, DOTS: tl.constexpr, INTERPRETED: tl.constexpr):
         """``a @ b`` into fp32. ``DOTS`` 1: every operand value is exact in bf16, and
         on a GPU the dot runs on bf16 tensor cores; 2: the operands are rounded to
@@ -187,6 +245,7 @@ if triton is not None:
         PAGE_TILES: tl.constexpr,
         DOTS: tl.constexpr,
         PAIR_SCALE: tl.constexpr,
+        HARDWARE_CVT: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
         row = tl.program_id(0)  # b * rows + r
@@ -204,10 +263,14 @@ if triton is not None:
 
         h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = h < heads
-        dv = tl.arange(0, DV)
+        # The latent goes through the dots in two halves, so no operand holds the
+        # registers of a whole 512-wide row.
+        DH: tl.constexpr = DV // 2
+        dh = tl.arange(0, DH)
         dpe = tl.arange(0, DPE)
         q_base = q_ptr + b * stride_qb + r * stride_qr + h[:, None] * stride_qh
-        q_nope = tl.load(q_base + dv[None, :], mask=h_mask[:, None], other=0.0)
+        q_lo = tl.load(q_base + dh[None, :], mask=h_mask[:, None], other=0.0)
+        q_hi = tl.load(q_base + DH + dh[None, :], mask=h_mask[:, None], other=0.0)
         q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0)
         score_scale = softmax_scale * kv_scale
         if DOTS >= 2:
@@ -215,16 +278,21 @@ if triton is not None:
             # largest magnitude (over this program's heads) in [2^14, 2^15), so it
             # stays finite in fp16 and exact down to 2^-31 of that largest; the
             # scores are scaled back (powers of two: exact).
-            q_nope = q_nope.to(tl.float32)
+            q_lo = q_lo.to(tl.float32)
+            q_hi = q_hi.to(tl.float32)
             q_pe = q_pe.to(tl.float32)
             largest = tl.maximum(
-                tl.max(tl.max(tl.abs(q_nope), axis=1), axis=0),
+                tl.maximum(
+                    tl.max(tl.max(tl.abs(q_lo), axis=1), axis=0),
+                    tl.max(tl.max(tl.abs(q_hi), axis=1), axis=0),
+                ),
                 tl.max(tl.max(tl.abs(q_pe), axis=1), axis=0),
             )
             exponent = ((largest.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
             shift = tl.minimum(tl.maximum(141 - exponent, -100), 100)  # 14 - (e - 127)
             q_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
-            q_nope = (q_nope * q_scale).to(tl.float16)
+            q_lo = (q_lo * q_scale).to(tl.float16)
+            q_hi = (q_hi * q_scale).to(tl.float16)
             q_pe = (q_pe * q_scale).to(tl.float16)
             score_scale = score_scale / q_scale
         if DOTS == 3:
@@ -232,7 +300,8 @@ if triton is not None:
 
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         denom = tl.zeros((BLOCK_H,), tl.float32)
-        acc = tl.zeros((BLOCK_H, DV), tl.float32)
+        acc_lo = tl.zeros((BLOCK_H, DH), tl.float32)
+        acc_hi = tl.zeros((BLOCK_H, DH), tl.float32)
         for tile in range(start, end, BLOCK_N):
             n = tile + tl.arange(0, BLOCK_N)
             n_mask = n < end
@@ -257,38 +326,11 @@ if triton is not None:
                     + (n % page_size) * stride_cs
                 )
             # Stored values, unscaled: the layer's scale goes on scores and output.
-            if DOTS == 3:
-                # Two e4m3 bytes a 16-bit word, made fp16 in registers (values /
-                # PAIR_SCALE); the tile then reaches the dots as 16-bit data.
-                words = token_base.to(tl.pointer_type(tl.int16))
-                k_nope = _e4m3_pairs_to_fp16(
-                    tl.load(
-                        words[:, None] + tl.arange(0, DV // 2)[None, :],
-                        mask=n_mask[:, None],
-                        other=0,
-                    ),
-                    BLOCK_N,
-                    DV,
-                )
-                k_pe = _e4m3_pairs_to_fp16(
-                    tl.load(
-                        words[:, None] + DV // 2 + tl.arange(0, DPE // 2)[None, :],
-                        mask=n_mask[:, None],
-                        other=0,
-                    ),
-                    BLOCK_N,
-                    DPE,
-                )
-            else:
-                k_nope = tl.load(
-                    token_base[:, None] + dv[None, :], mask=n_mask[:, None], other=0.0
-                )
-                k_pe = tl.load(
-                    token_base[:, None] + DV + dpe[None, :],
-                    mask=n_mask[:, None],
-                    other=0.0,
-                )
-            scores = _dot(q_nope, tl.trans(k_nope), DOTS, INTERPRETED)
+            k_lo = _load_keys(token_base, 0, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
+            k_hi = _load_keys(token_base, DH, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
+            k_pe = _load_keys(token_base, DV, DPE, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
+            scores = _dot(q_lo, tl.trans(k_lo), DOTS, INTERPRETED)
+            scores += _dot(q_hi, tl.trans(k_hi), DOTS, INTERPRETED)
             scores += _dot(q_pe, tl.trans(k_pe), DOTS, INTERPRETED)
             scores = tl.where(n_mask[None, :], scores * score_scale, float("-inf"))
             new_m = tl.maximum(m, tl.max(scores, axis=1))
@@ -301,26 +343,35 @@ if triton is not None:
                 # Weights in (0, 1] as p * 2^15: none is lost below fp16's
                 # smallest subnormal (2^-24) above 2^-39.
                 p = p * FP16_WEIGHT_SCALE
-            acc = acc * rescale[:, None] + _dot(p, k_nope, DOTS, INTERPRETED)
+            if DOTS == 3:
+                # Only where a row's maximum grew (elsewhere the factor is 1).
+                if tl.max((new_m > m).to(tl.int32), axis=0) > 0:
+                    acc_lo = acc_lo * rescale[:, None]
+                    acc_hi = acc_hi * rescale[:, None]
+            else:
+                acc_lo = acc_lo * rescale[:, None]
+                acc_hi = acc_hi * rescale[:, None]
+            acc_lo += _dot(p, k_lo, DOTS, INTERPRETED)
+            acc_hi += _dot(p, k_hi, DOTS, INTERPRETED)
             m = new_m
 
         has_tokens = end > start
         safe_denom = tl.where(has_tokens, denom, 1.0)
         lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
-        out = acc * (kv_scale / safe_denom[:, None])
+        out_scale = kv_scale / safe_denom[:, None]
         if DOTS >= 2:
-            out = out / FP16_WEIGHT_SCALE
+            out_scale = out_scale / FP16_WEIGHT_SCALE
         if DOTS == 3:
-            out = out * PAIR_SCALE
-        tl.store(
+            out_scale = out_scale * PAIR_SCALE
+        out_base = (
             mid_out_ptr
             + row * stride_mo_row
             + h[:, None] * stride_mo_h
             + split * stride_mo_s
-            + dv[None, :],
-            out,
-            mask=h_mask[:, None],
+            + dh[None, :]
         )
+        tl.store(out_base, acc_lo * out_scale, mask=h_mask[:, None])
+        tl.store(out_base + DH, acc_hi * out_scale, mask=h_mask[:, None])
         tl.store(
             mid_lse_ptr + row * stride_ml_row + h * stride_ml_h + split,
             lse,
@@ -437,9 +488,15 @@ DOTS = {"fp32": 0, "bf16": 1, "fp16": 2, "fp16-pairs": 3}
 
 # Other formats a bf16 query over an FP8 cache may take: bf16 (e4m3 is exact there
 # too; on sm90 it costs a second conversion per value, e4m3 -> fp16 -> bf16), and
-# fp16 from the cache read as 16-bit words, each two bytes made fp16 by bit moves
-# in registers (on sm90 the tile then reaches the dots by cp.async and ldmatrix,
-# where the bytes take one shared-memory load each; not yet timed on a GPU).
+# "fp16-pairs": fp16 from the cache read as 16-bit words, each word's two bytes
+# made fp16 in registers once (NVIDIA, e4m3fn: one hardware conversion a word;
+# else bit moves), both dots then reading that fp16 tile from shared memory by
+# ldmatrix. In the "fp16" format Triton converts the bytes once for each dot, in
+# each dot's layout, through shared-memory byte loads. Static counts on sm90
+# (``python -m tests.kernels.cross_compile sm90``, the loop over tiles of 32
+# tokens, 4 warps): "fp16" 1,035 instructions a warp, 128 bytes of spill;
+# "fp16-pairs" 571 (506 when no row's maximum grows), no spill. Not yet timed on
+# a GPU, so not the default.
 FP8_ALTERNATIVES = {"fp16": ("bf16", "fp16-pairs")}
 
 
@@ -472,6 +529,7 @@ def mla_decode(
     num_stages: int | None = None,
     num_warps: int | None = None,
     dots: str | None = None,
+    max_registers: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; the Triton kernels where they apply, else the reference with
     a one-time log line naming why. ``max_seq_len`` (a host int, at least
@@ -479,7 +537,9 @@ def mla_decode(
     from the device. ``reference_because``: take the reference, logging this
     reason (the caller's setting). ``dots``: the dots' operand format, by default
     ``dot_format``'s; an FP8 cache under a bf16 query also takes ``"bf16"`` (its
-    values are exact there too), and any pair ``"fp32"``."""
+    values are exact there too), and any pair ``"fp32"``. ``max_registers``: a
+    cap on the partial kernel's registers a thread (NVIDIA; ptxas spills what does
+    not fit), for more programs a multiprocessor."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(192)
     # A dot format the pair cannot take is refused on either path.
@@ -531,6 +591,14 @@ def mla_decode(
     else:
         mid_out = torch.empty(batch * rows, heads, num_splits, value_dim, device=device)
         mid_lse = torch.empty(batch * rows, heads, num_splits, device=device)
+    # NVIDIA converts e4m3fn pairs to fp16 in one instruction (the interpreter
+    # and AMD take the bit moves).
+    hardware_cvt = (
+        dots == "fp16-pairs"
+        and cache.dtype == torch.float8_e4m3fn
+        and not interpreted()
+        and not runtime.on_rocm()
+    )
     if batch:
         grid = (batch * rows, triton.cdiv(heads, block_h), num_splits)
         _mla_decode_partial[grid](
@@ -564,13 +632,17 @@ def mla_decode(
             PAGE_TILES=page_size % block_n == 0,
             DOTS=DOTS[dots],
             # The byte moves divide by 2^(fp16's exponent bias 15 - e4m3's).
-            PAIR_SCALE=2.0 ** (15 - E4M3_EXPONENT_BIAS.get(cache.dtype, 7)),
+            PAIR_SCALE=1.0
+            if hardware_cvt
+            else 2.0 ** (15 - E4M3_EXPONENT_BIAS.get(cache.dtype, 7)),
+            HARDWARE_CVT=hardware_cvt,
             INTERPRETED=interpreted(),
             # fp32 dots hold twice the registers: at 4 warps they spill 11 KB on
             # sm90 and ptxas takes minutes over them.
             num_warps=num_warps
             or platform_warps(nvidia=8 if dots == "fp32" else 4, amd=4),
             num_stages=num_stages or DEFAULT_STAGES,
+            **({} if max_registers is None else {"maxnreg": max_registers}),
         )
     if batch and num_splits > 1:
         _mla_decode_merge[(batch * rows, heads)](

@@ -77,6 +77,7 @@ class CompileInstead:
                     "error": None,
                     "spilled": spilled_bytes(compiled),
                     "instructions": instruction_counts(compiled),
+                    **machine_code_counts(compiled),
                 }
             )
         except Exception as error:
@@ -116,21 +117,63 @@ def instruction_counts(compiled) -> dict[str, int]:
     return counts
 
 
+def _cuobjdump(compiled, *flags: str) -> str:
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run(
+            [str(cuobjdump), *flags, cubin.name], capture_output=True, text=True
+        ).stdout
+
+
+def machine_code_counts(compiled) -> dict:
+    """NVIDIA only (else nothing): the registers a thread, and the SASS of the
+    kernel's longest loop (the widest backward branch): its instructions, and by
+    opcode those ``SASS_CLASSES`` name. A loop's instructions bound how fast a
+    tile can go when the issue slots, not memory, are the limit."""
+    if "cubin" not in compiled.asm:
+        return {}
+    registers = re.search(r"REG:(\d+)", _cuobjdump(compiled, "--dump-resource-usage"))
+    lines = re.findall(
+        r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(compiled, "-sass")
+    )
+    code = [(int(address, 16), text.strip()) for address, text in lines]
+    back_edges = [
+        (int(target.group(1), 16), address)
+        for address, text in code
+        if (target := re.search(r"\bBRA (0x[0-9a-f]+)", text))
+        and int(target.group(1), 16) < address
+    ]
+    counts: dict = {"registers": int(registers.group(1)) if registers else None}
+    if back_edges:
+        first, last = max(back_edges, key=lambda edge: edge[1] - edge[0])
+        body = [text for address, text in code if first <= address <= last]
+        opcodes = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in body]
+        counts["loop"] = {"total": len(body)} | {
+            name: sum(1 for op in opcodes if re.match(pattern, op))
+            for name, pattern in SASS_CLASSES.items()
+        }
+    return counts
+
+
+# SASS opcodes worth counting in a loop: tensor-core ops, conversions, shared-memory
+# traffic and spills.
+SASS_CLASSES = {
+    "mma": r"(?:HMMA|HGMMA|QGMMA|IMMA)\b",
+    "fp8 conversions": r"F2FP\.F16\.E4M3",
+    "shared byte loads": r"LDS\.[US]8\b",
+    "ldmatrix": r"LDSM\b",
+    "spill traffic": r"(?:LDL|STL)\b",
+}
+
+
 def spilled_bytes(compiled) -> int | None:
     """Bytes of registers spilled to memory per thread (NVIDIA: the cubin's stack
     frame, by the cuobjdump Triton ships; AMD: VGPR spills x 4), ``None`` if it
     cannot be read."""
     if "cubin" in compiled.asm:
-        cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            report = subprocess.run(
-                [str(cuobjdump), "--dump-resource-usage", cubin.name],
-                capture_output=True,
-                text=True,
-            ).stdout
-        found = re.search(r"STACK:(\d+)", report)
+        found = re.search(r"STACK:(\d+)", _cuobjdump(compiled, "--dump-resource-usage"))
         return int(found.group(1)) if found else None
     found = re.search(r"\.vgpr_spill_count:\s*(\d+)", compiled.asm.get("amdgcn", ""))
     return 4 * int(found.group(1)) if found else None

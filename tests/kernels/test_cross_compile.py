@@ -74,9 +74,9 @@ def test_every_launch_compiles_for_the_target(target):
     # model's); on sm90, MXFP4's gate/up GEMM at 64-row blocks, whose 128-wide
     # tiles spill (80 bytes; 56 to 872 for both GEMMs before the paired decode,
     # when they measured fastest on an H200, 1.7x to 6.4x over the 32- and 64-wide
-    # ones, benchmarks/results/moe_tiles_h200.txt), and the FP8 MLA decode at 4
-    # warps, 2 stages (136 bytes), measured fastest there: 1.10x faster than any
-    # 8-warp configuration (benchmarks/results/mla_sweep_h200.txt).
+    # ones, benchmarks/results/moe_tiles_h200.txt), and the FP8 MLA decode's fp16
+    # dots at 4 warps, 2 stages (128 bytes), measured fastest there: 1.10x faster
+    # than any 8-warp configuration (benchmarks/results/mla_sweep_h200.txt).
     def measured_despite_spill(launch: str) -> bool:
         return target == "sm90" and (
             "mxfp4" in launch or launch == "mla fp8 cache, bf16 q: _mla_decode_partial"
@@ -90,3 +90,15 @@ def test_every_launch_compiles_for_the_target(target):
         and r["spilled"] != 0
     }
     assert not spilled, spilled
+
+    if target == "sm90":
+        # fp16-pairs dots convert each cached 16-bit word once, by the hardware
+        # conversion, for both dots (the case's tile: 32 tokens x 576 bytes over
+        # 128 threads), and read no bytes one at a time from shared memory.
+        pairs = next(
+            r["loop"]
+            for r in results
+            if r["launch"] == "mla fp8 cache, bf16 q, fp16-pairs: _mla_decode_partial"
+        )
+        assert pairs["fp8 conversions"] == 32 * 576 // 2 // 128, pairs
+        assert pairs["shared byte loads"] == 0, pairs
