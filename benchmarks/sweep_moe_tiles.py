@@ -1,8 +1,9 @@
 """Tile sweep of the latent MoE on a GPU, timed by CUDA-graph replays as
 ``bench_kernels.py`` times it: K3's shapes on one device (112 experts, top-16,
 latent 3584, inner 3072) at 1, 16, 256 and 4,096 tokens. FP8: block_m 16 (under 256
-tokens) or 64/128, block_n x block_k 64 x 128 and 128 x 128, 4 warps (8 were never
-faster in the sweep before), 3 and 4 pipeline stages; MXFP4 (up to 256 tokens):
+tokens) or 64/128, block_n x block_k 64 x 128 and 128 x 128 (the gate/up dot is
+2 x block_n wide), 4 warps, and from 256 tokens 8 too (a 128 x 256 gate/up
+accumulator needs two warp groups), 3 and 4 pipeline stages; MXFP4 (up to 256 tokens):
 block_n 64/128 on the 32-wide scale block, 4 and 8 warps, 3 and 4 stages. Prints
 the default and the four fastest per token count, and, for FP8, what the steps
 around the GEMMs take alone (the expert grouping, the activations' quantization)
@@ -41,7 +42,8 @@ def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
         configs = itertools.product(block_ms, ((64, 32), (128, 32)), (4, 8), (3, 4))
     else:
         block_ms = (64, 128) if tokens >= 256 else (16,)
-        configs = itertools.product(block_ms, ((64, 128), (128, 128)), (4,), (3, 4))
+        warps = (4, 8) if tokens >= 256 else (4,)
+        configs = itertools.product(block_ms, ((64, 128), (128, 128)), warps, (3, 4))
     results = []
     for block_m, (block_n, block_k), warps, stages in [
         (default[0], default[1:], 4, None),

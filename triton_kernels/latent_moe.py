@@ -6,8 +6,8 @@ On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weigh
 
 1. activations are quantized to FP8 per token (``scale = max|z_t| / fp8_max``);
 2. the (token, slot) pairs are sorted by expert and padded per ``BLOCK_M`` block;
-3. kernel 1, per block: the gate/up GEMM against ``w13`` ``[E, 2I, L]``, dequantized,
-   SiTU-GLU -> ``h`` ``[pairs, I]``;
+3. kernel 1, per block: the gate/up GEMM against ``w13`` ``[E, 2I, L]`` (one dot over
+   gate and up rows interleaved), dequantized, SiTU-GLU -> ``h`` ``[pairs, I]``;
 4. ``h`` is requantized to FP8 per row;
 5. kernel 2, per block: the down GEMM against ``w2`` ``[E, L, I]``, dequantized, times
    the routing weight, added into the token's output row.
@@ -458,8 +458,15 @@ if triton is not None:
             rows_ptr, block_expert_ptr, top_k, BLOCK_M
         )
         n_mask = n < inner
-        gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        # One dot of 2 x BLOCK_N columns, gate and up interleaved (column 2j is
+        # gate channel n_j, 2j + 1 its up channel n_j + inner): a wider MMA than two
+        # dots of BLOCK_N, and each thread's accumulator holds both halves of a
+        # pair, so splitting them after the loop moves no data.
+        j = tl.arange(0, 2 * BLOCK_N)
+        pair_channel = tl.program_id(1) * BLOCK_N + j // 2
+        w_rows = pair_channel + (j % 2) * inner
+        w_mask = pair_channel < inner
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
         for k0 in range(0, latent, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_mask = k < latent
@@ -468,30 +475,21 @@ if triton is not None:
                 mask=valid[:, None] & k_mask[None, :],
                 other=0.0,
             )
-            w_gate, s_gate = _load_weight_tile(
-                w_ptr, s_ptr, expert, n, k, k0,
-                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
-                a_ptr.dtype.element_ty, FMT, FP8_HALF,
-            )  # fmt: skip
-            w_up, s_up = _load_weight_tile(
-                w_ptr, s_ptr, expert, n + inner, k, k0,
-                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
+            w, s = _load_weight_tile(
+                w_ptr, s_ptr, expert, w_rows, k, k0,
+                stride_we, stride_wn, stride_se, stride_sn, w_mask, k_mask,
                 a_ptr.dtype.element_ty, FMT, FP8_HALF,
             )  # fmt: skip
             # FP8 x FP8 products are exact in the fp32 accumulator. A per-channel
             # scale holds over all of K: it is applied once, after the loop, and
-            # the dots accumulate in place.
+            # the dot accumulates in place.
             if FMT == 0:
-                gate = tl.dot(a, tl.trans(w_gate), gate, out_dtype=tl.float32)
-                up = tl.dot(a, tl.trans(w_up), up, out_dtype=tl.float32)
+                acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.float32)
             else:
-                gate += (
-                    tl.dot(a, tl.trans(w_gate), out_dtype=tl.float32) * s_gate[None, :]
-                )
-                up += tl.dot(a, tl.trans(w_up), out_dtype=tl.float32) * s_up[None, :]
+                acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32) * s[None, :]
         if FMT == 0:
-            gate *= _channel_scale(s_ptr, expert, n, stride_se, stride_sn, n_mask)
-            up *= _channel_scale(s_ptr, expert, n + inner, stride_se, stride_sn, n_mask)
+            acc *= _channel_scale(s_ptr, expert, w_rows, stride_se, stride_sn, w_mask)
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         a_scale = tl.load(a_scale_ptr + token, mask=valid, other=0.0)
         gate = gate * a_scale[:, None]
         up = up * a_scale[:, None]
@@ -642,13 +640,16 @@ def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
     per-channel scales 128 from 1,024 (4,096 tokens: 7.6-7.9 ms against 8.0-8.1).
     Block scales keep 64 (at 128 they took 16.2 ms against 10.0). 128-wide tiles
     for one token measured 7% faster in the sweep and 6% slower in the benchmark
-    run after it: not taken. MXFP4: 128 x 32 tiles, 1.7x to 6.4x faster than
-    32 x 32 (the first sweep)."""
+    run after it: not taken. MXFP4: 64 x 32 tiles. At 128 x 32 (1.7x to 6.4x
+    faster than 32 x 32 in the first sweep, when gate and up were two dots of
+    block_n each) the one 256-wide gate/up dot spills 392 bytes on sm90; at 64 it
+    is 128 wide, as each of the two was then, and spills none (the down GEMM's
+    tile halves with it). Untimed since."""
     block_m = 64 if tokens >= 256 else 16
     if fmt == "fp8" and tokens >= 1024:
         block_m = 128
     if fmt == "mxfp4":
-        return block_m, 128, 32
+        return block_m, 64, 32
     return block_m, 64, 128
 
 
