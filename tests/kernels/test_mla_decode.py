@@ -16,6 +16,7 @@ from k3_triton_kernels import mla_decode as kernel
 from tests.kernels.placement import (
     DEVICE,
     FP8_DTYPES_HERE,
+    HARDWARE_CVT_RUNS_HERE,
     on_device,
 )
 
@@ -230,28 +231,38 @@ def test_an_fp8_cache_also_takes_bf16_dots_and_nothing_else_odd():
         )
 
 
+def _convert_every_word(hardware: bool):
+    """All 65,536 16-bit words through the bit moves (``_e4m3_pairs_to_fp16``) or
+    the hardware conversion: ``(stored bytes [65536, 2] uint8, fp16 values
+    [65536, 2] as fp32)``."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(words_ptr, out_ptr, ROWS: tl.constexpr, HARDWARE: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        words = tl.load(words_ptr + r)[:, None]
+        if HARDWARE:
+            values = kernel._e4m3fn_pairs_to_fp16_sm89(words, ROWS, 2)
+        else:
+            values = kernel._e4m3_pairs_to_fp16(words, ROWS, 2)
+        tl.store(out_ptr + r[:, None] * 2 + tl.arange(0, 2)[None, :], values)
+
+    words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    out = torch.empty(65536, 2, dtype=torch.float16, device=DEVICE)
+    convert[(64,)](words.to(DEVICE), out, ROWS=1024, HARDWARE=hardware)
+    return words.view(torch.uint8).view(65536, 2), out.cpu().float()
+
+
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 def test_every_pair_of_cache_bytes_becomes_its_two_fp16_values_exactly(dtype):
     """All 65,536 16-bit words (two e4m3 bytes, the low byte the even column) move
     into fp16 as the bytes' values divided by 2^8 (e4m3fn) or 2^7 (e4m3fnuz),
     exactly, subnormals included. NaN bytes come out finite (fnuz's 0x80 as -0,
     fn's 0x7F/0xFF as ±1.875 · 2^8): a cache holds none, its writes clamp."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def convert(words_ptr, out_ptr, ROWS: tl.constexpr):
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        values = kernel._e4m3_pairs_to_fp16(tl.load(words_ptr + r)[:, None], ROWS, 2)
-        tl.store(out_ptr + r[:, None] * 2 + tl.arange(0, 2)[None, :], values)
-
-    words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    out = torch.empty(65536, 2, dtype=torch.float16, device=DEVICE)
-    convert[(64,)](words.to(DEVICE), out, ROWS=1024)
-    stored = words.view(torch.uint8).view(65536, 2)
+    stored, got = _convert_every_word(hardware=False)
     want = stored.view(dtype).float()
     shift = 2.0**-7 if dtype == torch.float8_e4m3fnuz else 2.0**-8
-    got = out.cpu().float()
     if dtype == torch.float8_e4m3fnuz:
         want = torch.where(stored == 0x80, -0.0, want)
     else:
@@ -259,6 +270,20 @@ def test_every_pair_of_cache_bytes_becomes_its_two_fp16_values_exactly(dtype):
         assert torch.equal(got[nan_byte].abs(), torch.full_like(got[nan_byte], 1.875))
         want = torch.where(nan_byte, got / shift, want)
     assert torch.equal(got, want * shift)
+
+
+@pytest.mark.skipif(
+    not HARDWARE_CVT_RUNS_HERE,
+    reason="NVIDIA sm89+ only: inline PTX (the interpreter and AMD take the bit "
+    "moves, tested above)",
+)
+def test_the_hardware_conversion_gives_every_pair_its_two_e4m3fn_values():
+    """The fp16-pairs dots' conversion on NVIDIA (``cvt.rn.f16x2.e4m3x2``): every
+    word's two e4m3fn values, unscaled, the low byte the even column; NaN stays
+    NaN."""
+    stored, got = _convert_every_word(hardware=True)
+    want = stored.view(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
