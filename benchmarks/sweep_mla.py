@@ -2,9 +2,10 @@
 queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 ``bench_kernels.py`` times it.
 
-1. Tile, pipeline, warps and dot operands: ``block_n`` 32/64, ``num_stages`` 2/3,
-   4/8 warps, fp16 (the default) or fp16-pairs dots (bf16 measured 1.1-1.3x
-   slower than fp16 in the runs before), and for fp16-pairs at
+1. Tile, pipeline, warps and dot operands: ``block_n`` x warps 32 x 4, 32 x 8
+   and 64 x 8 (64 x 4 was the slowest in both runs before), ``num_stages`` 2/3,
+   fp16 (the default) or fp16-pairs dots (bf16 measured 1.1-1.3x slower than
+   fp16 in the runs before), and for fp16-pairs at
    4 warps a register cap of 168 or 128 a thread (3 or 4 programs a
    multiprocessor, against 2 at its 189), each at the default split count and at
    1.5x and 2x of it, over four batch x context shapes; prints every
@@ -12,7 +13,7 @@ queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 2. Split counts: for the fastest configuration of part 1, split counts from 1 to 3
    per multiprocessor on each shape, against ``default_num_splits``.
 
-    python benchmarks/sweep_mla.py    # on a CUDA / ROCm GPU; about 2 minutes
+    python benchmarks/sweep_mla.py    # on a CUDA / ROCm GPU; about 3 minutes
 
 ``mla_decode``'s defaults (``DEFAULT_BLOCK_N``, ``DEFAULT_STAGES``, the warps,
 ``default_num_splits``) are set from its output, kept in
@@ -63,8 +64,8 @@ def main() -> None:
     results = []
     configs = [
         (block_n, stages, warps, dots, registers)
-        for block_n, stages, warps, dots in itertools.product(
-            (32, 64), (2, 3), (4, 8), ("fp16", "fp16-pairs")
+        for (block_n, warps), stages, dots in itertools.product(
+            ((32, 4), (32, 8), (64, 8)), (2, 3), ("fp16", "fp16-pairs")
         )
         for registers in (
             (None, 168, 128) if (dots, warps) == ("fp16-pairs", 4) else (None,)
