@@ -23,8 +23,10 @@ decoded in registers: every e2m1 value is exact in e4m3, so this is W4A8).
 
 The kernels multiply FP8 activations by FP8 weights (MXFP4 values converted to e4m3
 in registers, exactly) with ``tl.dot`` into fp32 and apply the weight scale per K
-tile; every FP8 x FP8 product is exact in fp32, so they differ from the reference
-only by summation order.
+tile (per-channel scales after the K loop); every FP8 x FP8 product is exact in
+fp32, so they differ from the reference only by summation order. Under 64-row
+blocks on NVIDIA the dots run transposed (weights @ activations), so the FP8
+tensor-core MMA takes them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from k3_triton_kernels import runtime
 from k3_triton_kernels.runtime import (
     E4M3_EXPONENT_BIAS,
     E4M3_NAN_BYTE,
@@ -405,6 +408,27 @@ if triton is not None:
         tl.store(scale_ptr + row, scale)
 
     @triton.jit
+    def _accumulate(acc, x, w, scale, FMT: tl.constexpr, SWAP_AB: tl.constexpr):
+        """``acc`` plus ``x @ w^T`` (FP8 x FP8 products are exact in the fp32
+        accumulator), scaled per weight row unless per-channel (``FMT`` 0: that
+        scale holds over all of K and is applied after the loop, so the dot
+        accumulates in place). ``SWAP_AB``: ``acc`` is held transposed and the dot
+        runs as ``w @ x^T``, the weight rows its M: NVIDIA's FP8 tensor-core MMA
+        (wgmma) needs M of 64 or more, and under 64 rows Triton converts both
+        operands to fp16 for the older MMA instead."""
+        if SWAP_AB:
+            if FMT == 0:
+                acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32)
+            else:
+                acc += tl.dot(w, tl.trans(x), out_dtype=tl.float32) * scale[:, None]
+        else:
+            if FMT == 0:
+                acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+            else:
+                acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32) * scale[None, :]
+        return acc
+
+    @triton.jit
     def _channel_scale(s_ptr, expert, n, stride_se, stride_sn, n_mask):
         """Per-channel FP8's scales of output rows ``n``, as a ``[1, BLOCK_N]`` row."""
         scale = tl.load(
@@ -450,6 +474,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SWAP_AB: tl.constexpr,
     ):
         if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
             return  # past the used rows: no pair here
@@ -466,7 +491,10 @@ if triton is not None:
         pair_channel = tl.program_id(1) * BLOCK_N + j // 2
         w_rows = pair_channel + (j % 2) * inner
         w_mask = pair_channel < inner
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
         for k0 in range(0, latent, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_mask = k < latent
@@ -480,13 +508,9 @@ if triton is not None:
                 stride_we, stride_wn, stride_se, stride_sn, w_mask, k_mask,
                 a_ptr.dtype.element_ty, FMT, FP8_HALF,
             )  # fmt: skip
-            # FP8 x FP8 products are exact in the fp32 accumulator. A per-channel
-            # scale holds over all of K: it is applied once, after the loop, and
-            # the dot accumulates in place.
-            if FMT == 0:
-                acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.float32)
-            else:
-                acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32) * s[None, :]
+            acc = _accumulate(acc, a, w, s, FMT, SWAP_AB)
+        if SWAP_AB:
+            acc = tl.trans(acc)
         if FMT == 0:
             acc *= _channel_scale(s_ptr, expert, w_rows, stride_se, stride_sn, w_mask)
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -528,6 +552,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SWAP_AB: tl.constexpr,
     ):
         if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
             return  # past the used rows: no pair here
@@ -536,7 +561,10 @@ if triton is not None:
             rows_ptr, block_expert_ptr, top_k, BLOCK_M
         )
         n_mask = n < latent
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, inner, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_mask = k < inner
@@ -550,10 +578,9 @@ if triton is not None:
                 stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
                 h_ptr.dtype.element_ty, FMT, FP8_HALF,
             )  # fmt: skip
-            if FMT == 0:
-                acc = tl.dot(h, tl.trans(w), acc, out_dtype=tl.float32)
-            else:
-                acc += tl.dot(h, tl.trans(w), out_dtype=tl.float32) * w_scale[None, :]
+            acc = _accumulate(acc, h, w, w_scale, FMT, SWAP_AB)
+        if SWAP_AB:
+            acc = tl.trans(acc)
         if FMT == 0:
             acc *= _channel_scale(s_ptr, expert, n, stride_se, stride_sn, n_mask)
         h_scale = tl.load(h_scale_ptr + m, mask=valid, other=0.0)
@@ -667,11 +694,14 @@ def latent_moe(
     fp8_dtype: torch.dtype | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    swap_ab: bool | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
     the reference). Both leave out pairs routed outside ``[0, E)``: another rank's
     experts. ``fp8_dtype``: the activations' FP8 dtype for MXFP4 weights. Tiles:
-    ``default_tiles`` unless given."""
+    ``default_tiles`` unless given. ``swap_ab``: run the GEMMs' dots as weights
+    times activations (see ``_accumulate``); by default under 64-row blocks off
+    AMD (whose MFMA takes 16 rows as they are)."""
     tiles = default_tiles(experts.fmt, z.shape[0])
     block_m, block_n, block_k = (
         given or default
@@ -708,7 +738,9 @@ def latent_moe(
         return out
     # Padding rows of h are never written, quantized or read.
     h = torch.empty(rows.numel(), inner, dtype=torch.float32, device=z.device)
-    launch = {"num_warps": num_warps}
+    if swap_ab is None:
+        swap_ab = block_m < 64 and not runtime.on_rocm()
+    launch = {"num_warps": num_warps, "SWAP_AB": swap_ab}
     if num_stages is not None:  # else Triton's default for the platform
         launch["num_stages"] = num_stages
     w13, s13 = experts.w13, experts.w13_scale

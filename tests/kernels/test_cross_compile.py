@@ -108,3 +108,10 @@ def test_every_launch_compiles_for_the_target(target):
             if r["launch"] == "latent moe fp8, 1100 tokens: _gate_up_situ"
         )
         assert gate_up["mma"] == (128 // 64) * (128 // 32), gate_up
+        # Under 64-row blocks the FP8 GEMMs run as weights @ activations, on FP8
+        # wgmma: no operand is converted to fp16 for the older MMA.
+        for kernel in ("_gate_up_situ", "_down_combine"):
+            decode = next(
+                r["loop"] for r in results if r["launch"] == f"latent moe fp8: {kernel}"
+            )
+            assert decode["fp8 conversions"] == 0 < decode["mma"], (kernel, decode)

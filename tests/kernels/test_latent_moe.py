@@ -74,18 +74,20 @@ def test_kernel_matches_reference(fmt, tokens, experts, top_k):
         assert len(ids.unique()) <= tokens * top_k < experts
 
 
+@pytest.mark.parametrize("swap_ab", [True, False], ids=["weights@x", "x@weights"])
 @pytest.mark.parametrize("fmt", list(BUILDERS))
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k"), [(5, 8, 2), (33, 16, 4), (4, 896, 16)]
 )
 def test_each_stage_matches_the_reference_on_the_same_fp8_values(
-    fmt, tokens, experts, top_k, monkeypatch
+    fmt, tokens, experts, top_k, swap_ab, monkeypatch
 ):
     """Each GEMM against the reference on the very FP8 values the kernel had, so no
     rounding boundary can hide a wrong token (tolerance 1e-4 of the largest value:
     fp32 summation order): the gate/up GEMM's SiTU output, before it is requantized,
     for every routed pair; and the down GEMM with the routing weights, from the
-    kernel's own requantized intermediate."""
+    kernel's own requantized intermediate. Both orientations of the dots (16-row
+    blocks take weights @ x on NVIDIA, x @ weights on AMD)."""
     z, ids, weights, w13, w2 = _case(tokens, experts, top_k)
     packed = BUILDERS[fmt](w13, w2)
     quantized, quantize = [], moe.quantize_rows
@@ -103,7 +105,7 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
 
     monkeypatch.setattr(moe, "quantize_rows", recording)
     monkeypatch.setattr(moe, "group_by_expert", recording_groups)
-    got = moe.latent_moe(z, ids, weights, packed)
+    got = moe.latent_moe(z, ids, weights, packed, swap_ab=swap_ab)
     (_, z_q, z_scale), (h, h_q, h_scale) = quantized  # z's, then the intermediate's
     ((rows, block_expert, _),) = groups  # the kernel's own order of the pairs
     rows, block_expert = rows.long(), block_expert.long()

@@ -380,9 +380,11 @@ def _note_quantization(vllm_config: VllmConfig) -> None:
 
 
 def require_eager_on_gpus(vllm_config: VllmConfig, *, on_gpu: bool) -> None:
-    """CUDA graphs cannot capture this class: the KDA layers walk the batch's
-    sequences on the host and the latent MoE sorts its routing with sizes read back
-    from the device. Refused at load, not discovered at capture."""
+    """CUDA graphs are refused at load, not discovered at capture: a batch with
+    prefills walks its sequences on the host (the KDA layers read the batch's
+    spans back once a step), so piecewise graphs over mixed batches cannot hold
+    it; the decode-only paths read nothing back, but no capture of the whole
+    model has run on a GPU yet."""
     mode = vllm_config.compilation_config.cudagraph_mode
     if on_gpu and mode is not None and mode != CUDAGraphMode.NONE:
         raise ValueError(
