@@ -4,7 +4,8 @@ latent 3584, inner 3072) at 1, 16, 256 and 4,096 tokens. FP8: block_m 16 (under 
 tokens) or 64/128, block_n x block_k 64 x 128 and 128 x 128 (the gate/up dot is
 2 x block_n wide), 4 warps, and from 256 tokens 8 too (a 128 x 256 gate/up
 accumulator needs two warp groups), 3 and 4 pipeline stages; MXFP4 (up to 256 tokens):
-block_n 64/128 on the 32-wide scale block, 4 and 8 warps, 3 and 4 stages. Prints
+block_n 64/128 on the 32-wide scale block, 4 and 8 warps, 3 and 4 stages; under
+256 tokens each with the dots both ways (``swap_ab``). Prints
 the default and the four fastest per token count, and, for FP8, what the steps
 around the GEMMs take alone (the expert grouping, the activations' quantization)
 next to vLLM's two GEMMs.
@@ -44,26 +45,30 @@ def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
         block_ms = (64, 128) if tokens >= 256 else (16,)
         warps = (4, 8) if tokens >= 256 else (4,)
         configs = itertools.product(block_ms, ((64, 128), (128, 128)), warps, (3, 4))
+    # Under 64-row blocks both orientations of the dots (None: the default).
+    swaps = (True, False) if tokens < 256 else (None,)
     results = []
-    for block_m, (block_n, block_k), warps, stages in [
-        (default[0], default[1:], 4, None),
-        *configs,
+    for (block_m, (block_n, block_k), warps, stages), swap in [
+        ((default[0], default[1:], 4, None), None),
+        *itertools.product(configs, swaps),
     ]:
         run = functools.partial(
             moe.latent_moe, z, ids, weights, packed, block_m=block_m,
             block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+            swap_ab=swap,
         )  # fmt: skip
         try:
             us = microseconds(run)
         except Exception as error:  # out of resources: report, go on
             print(f"T={tokens} {fmt} {block_m}/{block_n}/{block_k}: {error!r:.100}")
             continue
-        results.append((us, block_m, block_n, block_k, warps, stages))
+        results.append((us, block_m, block_n, block_k, warps, stages, swap))
     default_us = results[0][0]
     results.sort(key=lambda result: result[0])
     best = [
         f"{us:.1f} bm{bm} bn{bn} bk{bk} w{w} s{s}"
-        for us, bm, bn, bk, w, s in results[:4]
+        + ("" if sw is None else f" swap{sw}")
+        for us, bm, bn, bk, w, s, sw in results[:4]
     ]
     return default_us, best
 
