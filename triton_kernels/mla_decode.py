@@ -538,8 +538,8 @@ def mla_decode(
     reason (the caller's setting). ``dots``: the dots' operand format, by default
     ``dot_format``'s; an FP8 cache under a bf16 query also takes ``"bf16"`` (its
     values are exact there too), and any pair ``"fp32"``. ``max_registers``: a
-    cap on the partial kernel's registers a thread (NVIDIA; ptxas spills what does
-    not fit), for more programs a multiprocessor."""
+    cap on the partial kernel's registers a thread (NVIDIA only; ptxas spills
+    what does not fit), for more programs a multiprocessor."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(192)
     # A dot format the pair cannot take is refused on either path.
@@ -554,6 +554,8 @@ def mla_decode(
         x % 2 for x in (cache.storage_offset(), cache.stride(0), cache.stride(1))
     ):
         raise ValueError("fp16-pairs dots read the cache as 16-bit words: unaligned")
+    if max_registers is not None and runtime.on_rocm():
+        raise ValueError("max_registers caps NVIDIA registers (ptxas maxnreg); not AMD")
     reason = reference_because or _unsupported(q, cache, value_dim)
     log_path("MLA decode", reason)
     if reason is not None:

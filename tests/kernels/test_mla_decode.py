@@ -407,3 +407,19 @@ def test_the_default_split_count_fills_one_wave_of_two_programs_a_multiprocessor
     cpu = torch.device("cpu")
     assert kernel.default_num_splits(131072, 1, cpu) == 16
     assert kernel.default_num_splits(300, 1, cpu) == 2
+
+
+def test_a_register_cap_is_an_nvidia_setting(monkeypatch):
+    """``max_registers`` reaches the launch as ptxas' maxnreg (the interpreter
+    ignores it: the same values); AMD's compiler has no such option, so it is
+    refused there by name rather than by Triton's unrecognised keyword."""
+    q, cache, table, lens = _setup(
+        [40], heads=16, rows=1, page_size=16, dtype=FP8[0], kv_scale=1.0
+    )
+    q = q.to(torch.bfloat16)
+    capped, _ = kernel.mla_decode(q, cache, table, lens, max_registers=168)
+    plain, _ = kernel.mla_decode(q, cache, table, lens)
+    assert torch.equal(capped, plain)
+    monkeypatch.setattr(kernel.runtime, "on_rocm", lambda: True)
+    with pytest.raises(ValueError, match="NVIDIA"):
+        kernel.mla_decode(q, cache, table, lens, max_registers=168)
