@@ -146,6 +146,11 @@ def machine_code_counts(compiled) -> dict:
         and int(target.group(1), 16) < address
     ]
     counts: dict = {"registers": int(registers.group(1)) if registers else None}
+    counts["shared bytes"] = compiled.metadata.shared
+    if registers:
+        counts["programs a multiprocessor"] = sm90_programs_per_multiprocessor(
+            counts["registers"], compiled.metadata.shared, compiled.metadata.num_warps
+        )
     if back_edges:
         first, last = max(back_edges, key=lambda edge: edge[1] - edge[0])
         body = [text for address, text in code if first <= address <= last]
@@ -155,6 +160,15 @@ def machine_code_counts(compiled) -> dict:
             for name, pattern in SASS_CLASSES.items()
         }
     return counts
+
+
+def sm90_programs_per_multiprocessor(registers: int, shared: int, warps: int) -> int:
+    """How many programs of a kernel an H100/H200 multiprocessor holds at once: 64K
+    registers (allocated a warp at a time, in steps of 8 a thread), 228 KiB of
+    shared memory (1 KiB of it reserved a program), 64 warps."""
+    by_registers = 65536 // (warps * 32 * (-(-registers // 8) * 8))
+    by_shared = 228 * 1024 // (shared + 1024)
+    return min(by_registers, by_shared, 64 // warps)
 
 
 # SASS opcodes worth counting in a loop: tensor-core ops, conversions, shared-memory
