@@ -24,7 +24,9 @@ decoded in registers: every e2m1 value is exact in e4m3, so this is W4A8).
 The kernels multiply FP8 activations by FP8 weights (MXFP4 values converted to e4m3
 in registers, exactly) with ``tl.dot`` into fp32 and apply the weight scale per K
 tile (per-channel scales after the K loop); every FP8 x FP8 product is exact in
-fp32, so they differ from the reference only by summation order. Under 64-row
+fp32 (on Hopper each MMA instruction's narrower sum is added into the fp32
+accumulator, see ``_accumulate``), so they differ from the reference only by
+summation order. Under 64-row
 blocks on NVIDIA the dots run transposed (weights @ activations), so the FP8
 tensor-core MMA takes them.
 """
@@ -408,29 +410,52 @@ if triton is not None:
         tl.store(scale_ptr + row, scale)
 
     @triton.jit
-    def _accumulate(acc, x, w, scale, FMT: tl.constexpr, SWAP_AB: tl.constexpr):
-        """``acc`` plus ``x @ w^T`` (FP8 x FP8 products are exact in the fp32
-        accumulator), scaled per weight row unless per-channel (``FMT`` 0: that
-        scale holds over all of K and is applied after the loop, so the dot
-        accumulates in place). ``SWAP_AB``: ``acc`` is held transposed and the dot
-        runs as ``w @ x^T``, the weight rows its M: NVIDIA's FP8 tensor-core MMA
-        (wgmma) needs M of 64 or more, and under 64 rows Triton converts both
-        operands to fp16 for the older MMA instead."""
+    def _accumulate(
+        acc,
+        x,
+        w,
+        scale,
+        FMT: tl.constexpr,
+        SWAP_AB: tl.constexpr,
+        IMPRECISE: tl.constexpr,
+    ):
+        """``acc`` plus ``x @ w^T``, scaled per weight row unless per-channel
+        (``FMT`` 0: that scale holds over all of K and is applied after the loop,
+        so the dot accumulates in place). FP8 x FP8 products are exact in fp32;
+        Hopper's FP8 MMA (wgmma) adds them in a narrower accumulator, so each
+        instruction's sum is added into the fp32 one after at most ``IMPRECISE``
+        products (0: after every instruction; measured on an H200, 2e-7 of the
+        largest output against 7e-3 with Triton's default of never).
+        ``SWAP_AB``: ``acc`` is held transposed and the dot runs as ``w @ x^T``,
+        the weight rows its M: wgmma needs M of 64 or more, and under 64 rows
+        Triton converts both operands to fp16 for the older MMA instead."""
         if SWAP_AB:
             if FMT == 0:
-                acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32)
+                acc = tl.dot(
+                    w, tl.trans(x), acc, out_dtype=tl.float32,
+                    max_num_imprecise_acc=IMPRECISE,
+                )  # fmt: skip
             else:
-                acc += tl.dot(w, tl.trans(x), out_dtype=tl.float32) * scale[:, None]
+                acc += tl.dot(
+                    w, tl.trans(x), out_dtype=tl.float32,
+                    max_num_imprecise_acc=IMPRECISE,
+                ) * scale[:, None]  # fmt: skip
         else:
             if FMT == 0:
-                acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.float32)
+                acc = tl.dot(
+                    x, tl.trans(w), acc, out_dtype=tl.float32,
+                    max_num_imprecise_acc=IMPRECISE,
+                )  # fmt: skip
             else:
-                acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32) * scale[None, :]
+                acc += tl.dot(
+                    x, tl.trans(w), out_dtype=tl.float32,
+                    max_num_imprecise_acc=IMPRECISE,
+                ) * scale[None, :]  # fmt: skip
         return acc
 
     @triton.jit
     def _channel_scale(s_ptr, expert, n, stride_se, stride_sn, n_mask):
-        """Per-channel FP8's scales of output rows ``n``, as a ``[1, BLOCK_N]`` row."""
+        """Per-channel FP8's scales of weight rows ``n``, as a ``[1, len(n)]`` row."""
         scale = tl.load(
             s_ptr + expert * stride_se + n * stride_sn, mask=n_mask, other=0.0
         )
@@ -475,6 +500,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr,
+        IMPRECISE: tl.constexpr,
     ):
         if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
             return  # past the used rows: no pair here
@@ -508,7 +534,7 @@ if triton is not None:
                 stride_we, stride_wn, stride_se, stride_sn, w_mask, k_mask,
                 a_ptr.dtype.element_ty, FMT, FP8_HALF,
             )  # fmt: skip
-            acc = _accumulate(acc, a, w, s, FMT, SWAP_AB)
+            acc = _accumulate(acc, a, w, s, FMT, SWAP_AB, IMPRECISE)
         if SWAP_AB:
             acc = tl.trans(acc)
         if FMT == 0:
@@ -553,6 +579,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr,
+        IMPRECISE: tl.constexpr,
     ):
         if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
             return  # past the used rows: no pair here
@@ -578,7 +605,7 @@ if triton is not None:
                 stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
                 h_ptr.dtype.element_ty, FMT, FP8_HALF,
             )  # fmt: skip
-            acc = _accumulate(acc, h, w, w_scale, FMT, SWAP_AB)
+            acc = _accumulate(acc, h, w, w_scale, FMT, SWAP_AB, IMPRECISE)
         if SWAP_AB:
             acc = tl.trans(acc)
         if FMT == 0:
@@ -695,13 +722,16 @@ def latent_moe(
     num_warps: int = 4,
     num_stages: int | None = None,
     swap_ab: bool | None = None,
+    imprecise_products: int = 0,
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
     the reference). Both leave out pairs routed outside ``[0, E)``: another rank's
     experts. ``fp8_dtype``: the activations' FP8 dtype for MXFP4 weights. Tiles:
     ``default_tiles`` unless given. ``swap_ab``: run the GEMMs' dots as weights
     times activations (see ``_accumulate``); by default under 64-row blocks off
-    AMD (whose MFMA takes 16 rows as they are)."""
+    AMD (whose MFMA takes 16 rows as they are). ``imprecise_products``: FP8
+    products Hopper's MMA may add in its narrower accumulator before the fp32 one
+    (at most ``block_k``; 0, the default, keeps the sums exact to fp32)."""
     tiles = default_tiles(experts.fmt, z.shape[0])
     block_m, block_n, block_k = (
         given or default
@@ -740,7 +770,13 @@ def latent_moe(
     h = torch.empty(rows.numel(), inner, dtype=torch.float32, device=z.device)
     if swap_ab is None:
         swap_ab = block_m < 64 and not runtime.on_rocm()
-    launch = {"num_warps": num_warps, "SWAP_AB": swap_ab}
+    if not 0 <= imprecise_products <= block_k:
+        raise ValueError(f"imprecise_products {imprecise_products}: 0 to block_k")
+    launch = {
+        "num_warps": num_warps,
+        "SWAP_AB": swap_ab,
+        "IMPRECISE": imprecise_products,
+    }
     if num_stages is not None:  # else Triton's default for the platform
         launch["num_stages"] = num_stages
     w13, s13 = experts.w13, experts.w13_scale

@@ -435,9 +435,10 @@ def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | 
     if cache.dtype not in CACHE_DTYPES:
         return f"cache dtype {cache.dtype}"
     rope = q.shape[-1] - value_dim
-    for name, size in (("latent dim", value_dim), ("rope dim", rope)):
-        if size < 16 or size & (size - 1):
-            return f"{name} {size} (needs a power of two >= 16)"
+    # The latent goes through the dots in halves, each at least a dot's 16.
+    for name, size, least in (("latent dim", value_dim, 32), ("rope dim", rope, 16)):
+        if size < least or size & (size - 1):
+            return f"{name} {size} (needs a power of two >= {least})"
     if cache.shape[-1] != q.shape[-1]:
         return f"cache width {cache.shape[-1]} != query width {q.shape[-1]}"
     return None

@@ -170,6 +170,10 @@ def test_unsupported_shapes_fall_back_to_pytorch_and_say_why(caplog):
     bad = torch.zeros(2, 4, 576, dtype=torch.int8, device=DEVICE)
     query = torch.zeros(1, 1, 1, 576, device=DEVICE)
     assert "cache dtype" in kernel._unsupported(query, bad, 512)
+    # A 16-wide latent: its halves would be narrower than a dot takes.
+    narrow = torch.zeros(2, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    why = kernel._unsupported(query[..., :32].bfloat16(), narrow, 16)
+    assert "latent dim 16 (needs a power of two >= 32)" in why
 
 
 # -- the bf16 tensor-core path --------------------------------------------------------

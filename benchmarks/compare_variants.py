@@ -1,0 +1,139 @@
+"""The kernels' untimed options side by side on a GPU, timed by CUDA-graph replays as
+``bench_kernels.py`` times them, at K3's shapes, with vLLM's kernels for the same
+job in the same process:
+
+- MLA decode (FP8 cache, bf16 queries, 16 heads, 64-token pages): the default
+  fp16 dots, fp16-pairs, fp16-pairs capped at 168 registers, vLLM's
+  ``decode_attention_fwd``; each row's HBM fraction, and how far fp16-pairs'
+  output is from the default's.
+- Latent MoE, FP8 per-channel weights (112 experts, top-16, latent 3584, inner
+  3072): the default; the dots as activations @ weights (``swap_ab=False``)
+  under 64-row blocks; Hopper's narrow FP8 accumulation over a whole K tile
+  (``imprecise_products=block_k``, Triton's speed, not exact); vLLM's two GEMMs
+  alone; each variant's output gap to the default's.
+
+    python benchmarks/compare_variants.py   # on a GPU; about 2 minutes
+
+The defaults in ``mla_decode`` and ``latent_moe`` are decided from its output,
+kept in ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import torch
+from bench_kernels import _vllm_mla, timed
+
+from k3_triton_kernels import latent_moe as moe
+from k3_triton_kernels import mla_decode as mla
+from vllm_k3_plugin.model.reference import route
+
+HBM = 4.8e12  # H200
+MLA_SHAPES = ((1, 131072), (32, 32768), (128, 32768), (32, 131072))
+MOE_TOKENS = (1, 16, 256, 4096)
+EXPERTS, TOP_K, LATENT, INNER = 112, 16, 3584, 3072
+
+
+def microseconds(run) -> float:
+    return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
+
+
+def gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def compare_mla(device) -> None:
+    for batch, context in MLA_SHAPES:
+        pages = math.ceil(context / 64)
+        cache = torch.randn(batch * pages, 64, 576, device=device).to(mla.FP8_DTYPES[0])
+        table = torch.arange(batch * pages, device=device, dtype=torch.int32)
+        table = table.view(batch, pages)
+        lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+        q = torch.randn(batch, 1, 16, 576, device=device, dtype=torch.bfloat16)
+        cache_bytes = batch * context * 576
+        cells, outputs = [], {}
+        for label, options in (
+            ("fp16", {}),
+            ("fp16-pairs", {"dots": "fp16-pairs"}),
+            ("fp16-pairs regs168", {"dots": "fp16-pairs", "max_registers": 168}),
+        ):
+            run = functools.partial(
+                mla.mla_decode, q, cache, table, lens, max_seq_len=context, **options
+            )
+            try:
+                us = microseconds(run)
+                outputs[label] = run()[0]
+            except Exception as error:  # report, go on
+                cells.append(f"{label} failed: {error!r:.120}")
+                continue
+            cells.append(f"{label} {us:.1f}us {cache_bytes / us / 1e6 / HBM:.0%}")
+        seconds, theirs = _vllm_mla(q, cache, table, lens, 2, 10, True)
+        if seconds is None:
+            cells.append(str(theirs)[:120])
+        else:
+            cells.append(f"vLLM {seconds * 1e6:.1f}us")
+        if "fp16" in outputs and "fp16-pairs" in outputs:
+            cells.append(f"pairs gap {gap(outputs['fp16-pairs'], outputs['fp16']):.1e}")
+        print(f"MLA B={batch} ctx={context}: " + "; ".join(cells), flush=True)
+        del cache
+
+
+def compare_moe(device) -> None:
+    torch.manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * INNER, LATENT, device=device) / LATENT**0.5
+    w2 = torch.randn(EXPERTS, LATENT, INNER, device=device) / INNER**0.5
+    packed = moe.fp8_experts_from(w13, w2)
+    del w13, w2
+    weight_bytes = packed.w13[0].numel() + packed.w2[0].numel()
+    for tokens in MOE_TOKENS:
+        z = torch.randn(tokens, LATENT, device=device)
+        logits = torch.randn(tokens, EXPERTS, device=device)
+        weights, ids = route(logits, torch.zeros(EXPERTS, device=device), TOP_K)
+        experts_used = len(torch.unique(ids))
+        flops = 2 * tokens * TOP_K * LATENT * 3 * INNER
+        block_k = moe.default_tiles("fp8", tokens)[2]
+        cells, outputs = [], {}
+        variants = [("default", {})]
+        if moe.default_tiles("fp8", tokens)[0] < 64:
+            variants.append(("x@w", {"swap_ab": False}))
+        variants.append(("imprecise", {"imprecise_products": block_k}))
+        for label, options in variants:
+            run = functools.partial(moe.latent_moe, z, ids, weights, packed, **options)
+            try:
+                us = microseconds(run)
+                outputs[label] = run()
+            except Exception as error:  # report, go on
+                cells.append(f"{label} failed: {error!r:.120}")
+                continue
+            hbm = experts_used * weight_bytes / us / 1e6 / HBM
+            tflops = flops / us / 1e6
+            cells.append(f"{label} {us:.1f}us {hbm:.0%} HBM {tflops:.0f} TFLOP/s")
+        try:
+            from vllm_baselines import VllmLatentMoe
+
+            vllm = VllmLatentMoe(z, ids, weights, packed)
+            cells.append(f"vLLM GEMMs {microseconds(vllm.gemms):.1f}us")
+        except Exception as error:  # a baseline that does not run is reported
+            cells.append(f"vLLM failed ({error!r:.80})")
+        for label in ("x@w", "imprecise"):
+            if label in outputs and "default" in outputs:
+                cells.append(
+                    f"{label} gap {gap(outputs[label], outputs['default']):.1e}"
+                )
+        print(f"MoE fp8 T={tokens}: " + "; ".join(cells), flush=True)
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    started = time.time()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    compare_moe(device)
+    compare_mla(device)
+    print(f"elapsed {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
