@@ -2,15 +2,15 @@
 ``bench_kernels.py`` times them, at K3's shapes, with vLLM's kernels for the same
 job in the same process:
 
-- MLA decode (FP8 cache, bf16 queries, 16 heads, 64-token pages): the default
-  fp16 dots, fp16-pairs, fp16-pairs capped at 168 registers, vLLM's
+- MLA decode (FP8 cache, bf16 queries, 16 heads, 64-token pages): fp16 and
+  fp16-pairs dots, each with the latent in halves and whole; vLLM's
   ``decode_attention_fwd``; each row's HBM fraction, and how far fp16-pairs'
-  output is from the default's.
+  output is from fp16's.
 - Latent MoE, FP8 per-channel weights (112 experts, top-16, latent 3584, inner
-  3072): the default; the dots as activations @ weights (``swap_ab=False``)
-  under 64-row blocks; Hopper's narrow FP8 accumulation over a whole K tile
-  (``imprecise_products=block_k``, Triton's speed, not exact); vLLM's two GEMMs
-  alone; each variant's output gap to the default's.
+  3072): the default (exact accumulation); Hopper's narrow FP8 accumulation
+  over a whole K tile (``imprecise_products=block_k``) or over the whole K loop
+  (None, as vLLM's ``fused_moe``); vLLM's two GEMMs alone; each variant's gap to
+  the default's output, and of the gate/up GEMM's output alone.
 
     python benchmarks/compare_variants.py   # on a GPU; about 2 minutes
 
@@ -33,7 +33,7 @@ from vllm_k3_plugin.model.reference import route
 
 HBM = 4.8e12  # H200
 MLA_SHAPES = ((1, 131072), (32, 32768), (128, 32768), (32, 131072))
-MOE_TOKENS = (1, 16, 256, 4096)
+MOE_TOKENS = (1, 256, 4096)
 EXPERTS, TOP_K, LATENT, INNER = 112, 16, 3584, 3072
 
 
@@ -57,8 +57,9 @@ def compare_mla(device) -> None:
         cells, outputs = [], {}
         for label, options in (
             ("fp16", {}),
+            ("fp16 whole", {"latent_halves": False}),
             ("fp16-pairs", {"dots": "fp16-pairs"}),
-            ("fp16-pairs regs168", {"dots": "fp16-pairs", "max_registers": 168}),
+            ("fp16-pairs whole", {"dots": "fp16-pairs", "latent_halves": False}),
         ):
             run = functools.partial(
                 mla.mla_decode, q, cache, table, lens, max_seq_len=context, **options
@@ -69,16 +70,36 @@ def compare_mla(device) -> None:
             except Exception as error:  # report, go on
                 cells.append(f"{label} failed: {error!r:.120}")
                 continue
-            cells.append(f"{label} {us:.1f}us {cache_bytes / us / 1e6 / HBM:.0%}")
+            cells.append(f"{label} {us:.1f}us {cache_bytes / us * 1e6 / HBM:.0%}")
         seconds, theirs = _vllm_mla(q, cache, table, lens, 2, 10, True)
         if seconds is None:
             cells.append(str(theirs)[:120])
         else:
             cells.append(f"vLLM {seconds * 1e6:.1f}us")
-        if "fp16" in outputs and "fp16-pairs" in outputs:
-            cells.append(f"pairs gap {gap(outputs['fp16-pairs'], outputs['fp16']):.1e}")
+        for label, out in outputs.items():
+            if label != "fp16" and "fp16" in outputs:
+                cells.append(f"{label} gap {gap(out, outputs['fp16']):.1e}")
         print(f"MLA B={batch} ctx={context}: " + "; ".join(cells), flush=True)
         del cache
+
+
+def gate_up_output(run) -> torch.Tensor:
+    """The gate/up GEMM's SiTU output (before its requantization) of ``run``: the
+    same FP8 inputs for every variant, so its gap is the accumulation's alone."""
+    recorded = []
+    quantize = moe.quantize_rows
+
+    def recording(x, dtype, **padding):
+        if "rows" in padding:  # the intermediate: its pairs' rows (no padding)
+            recorded.append(x[padding["rows"] >= 0].clone())
+        return quantize(x, dtype, **padding)
+
+    moe.quantize_rows = recording
+    try:
+        run()
+    finally:
+        moe.quantize_rows = quantize
+    return recorded[-1]
 
 
 def compare_moe(device) -> None:
@@ -95,20 +116,22 @@ def compare_moe(device) -> None:
         experts_used = len(torch.unique(ids))
         flops = 2 * tokens * TOP_K * LATENT * 3 * INNER
         block_k = moe.default_tiles("fp8", tokens)[2]
-        cells, outputs = [], {}
-        variants = [("default", {})]
-        if moe.default_tiles("fp8", tokens)[0] < 64:
-            variants.append(("x@w", {"swap_ab": False}))
-        variants.append(("imprecise", {"imprecise_products": block_k}))
+        cells, outputs, intermediates = [], {}, {}
+        variants = [
+            ("default", {}),
+            ("per-tile", {"imprecise_products": block_k}),
+            ("never", {"imprecise_products": None}),
+        ]
         for label, options in variants:
             run = functools.partial(moe.latent_moe, z, ids, weights, packed, **options)
             try:
                 us = microseconds(run)
                 outputs[label] = run()
+                intermediates[label] = gate_up_output(run)
             except Exception as error:  # report, go on
                 cells.append(f"{label} failed: {error!r:.120}")
                 continue
-            hbm = experts_used * weight_bytes / us / 1e6 / HBM
+            hbm = experts_used * weight_bytes / us * 1e6 / HBM
             tflops = flops / us / 1e6
             cells.append(f"{label} {us:.1f}us {hbm:.0%} HBM {tflops:.0f} TFLOP/s")
         try:
@@ -118,10 +141,11 @@ def compare_moe(device) -> None:
             cells.append(f"vLLM GEMMs {microseconds(vllm.gemms):.1f}us")
         except Exception as error:  # a baseline that does not run is reported
             cells.append(f"vLLM failed ({error!r:.80})")
-        for label in ("x@w", "imprecise"):
+        for label in ("per-tile", "never"):
             if label in outputs and "default" in outputs:
                 cells.append(
-                    f"{label} gap {gap(outputs[label], outputs['default']):.1e}"
+                    f"{label} gap {gap(outputs[label], outputs['default']):.1e}, "
+                    f"gate/up {gap(intermediates[label], intermediates['default']):.1e}"
                 )
         print(f"MoE fp8 T={tokens}: " + "; ".join(cells), flush=True)
 

@@ -722,7 +722,7 @@ def latent_moe(
     num_warps: int = 4,
     num_stages: int | None = None,
     swap_ab: bool | None = None,
-    imprecise_products: int = 0,
+    imprecise_products: int | None = 0,
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
     the reference). Both leave out pairs routed outside ``[0, E)``: another rank's
@@ -731,7 +731,8 @@ def latent_moe(
     times activations (see ``_accumulate``); by default under 64-row blocks off
     AMD (whose MFMA takes 16 rows as they are). ``imprecise_products``: FP8
     products Hopper's MMA may add in its narrower accumulator before the fp32 one
-    (at most ``block_k``; 0, the default, keeps the sums exact to fp32)."""
+    (at most ``block_k``; 0, the default, keeps the sums exact to fp32; None:
+    Triton's default, never within a program, as vLLM's ``fused_moe``)."""
     tiles = default_tiles(experts.fmt, z.shape[0])
     block_m, block_n, block_k = (
         given or default
@@ -770,7 +771,7 @@ def latent_moe(
     h = torch.empty(rows.numel(), inner, dtype=torch.float32, device=z.device)
     if swap_ab is None:
         swap_ab = block_m < 64 and not runtime.on_rocm()
-    if not 0 <= imprecise_products <= block_k:
+    if imprecise_products is not None and not 0 <= imprecise_products <= block_k:
         raise ValueError(f"imprecise_products {imprecise_products}: 0 to block_k")
     launch = {
         "num_warps": num_warps,

@@ -246,6 +246,7 @@ if triton is not None:
         DOTS: tl.constexpr,
         PAIR_SCALE: tl.constexpr,
         HARDWARE_CVT: tl.constexpr,
+        PARTS: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
         row = tl.program_id(0)  # b * rows + r
@@ -265,12 +266,14 @@ if triton is not None:
         h_mask = h < heads
         # The latent goes through the dots in two halves, so no operand holds the
         # registers of a whole 512-wide row.
-        DH: tl.constexpr = DV // 2
+        DH: tl.constexpr = DV // PARTS
         dh = tl.arange(0, DH)
         dpe = tl.arange(0, DPE)
         q_base = q_ptr + b * stride_qb + r * stride_qr + h[:, None] * stride_qh
         q_lo = tl.load(q_base + dh[None, :], mask=h_mask[:, None], other=0.0)
-        q_hi = tl.load(q_base + DH + dh[None, :], mask=h_mask[:, None], other=0.0)
+        q_hi = q_lo
+        if PARTS == 2:
+            q_hi = tl.load(q_base + DH + dh[None, :], mask=h_mask[:, None], other=0.0)
         q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0)
         score_scale = softmax_scale * kv_scale
         if DOTS >= 2:
@@ -301,7 +304,7 @@ if triton is not None:
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         denom = tl.zeros((BLOCK_H,), tl.float32)
         acc_lo = tl.zeros((BLOCK_H, DH), tl.float32)
-        acc_hi = tl.zeros((BLOCK_H, DH), tl.float32)
+        acc_hi = tl.zeros((BLOCK_H, DH if PARTS == 2 else 16), tl.float32)
         for tile in range(start, end, BLOCK_N):
             n = tile + tl.arange(0, BLOCK_N)
             n_mask = n < end
@@ -327,10 +330,13 @@ if triton is not None:
                 )
             # Stored values, unscaled: the layer's scale goes on scores and output.
             k_lo = _load_keys(token_base, 0, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
-            k_hi = _load_keys(token_base, DH, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
             k_pe = _load_keys(token_base, DV, DPE, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
             scores = _dot(q_lo, tl.trans(k_lo), DOTS, INTERPRETED)
-            scores += _dot(q_hi, tl.trans(k_hi), DOTS, INTERPRETED)
+            if PARTS == 2:
+                k_hi = _load_keys(
+                    token_base, DH, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT
+                )
+                scores += _dot(q_hi, tl.trans(k_hi), DOTS, INTERPRETED)
             scores += _dot(q_pe, tl.trans(k_pe), DOTS, INTERPRETED)
             scores = tl.where(n_mask[None, :], scores * score_scale, float("-inf"))
             new_m = tl.maximum(m, tl.max(scores, axis=1))
@@ -352,7 +358,8 @@ if triton is not None:
                 acc_lo = acc_lo * rescale[:, None]
                 acc_hi = acc_hi * rescale[:, None]
             acc_lo += _dot(p, k_lo, DOTS, INTERPRETED)
-            acc_hi += _dot(p, k_hi, DOTS, INTERPRETED)
+            if PARTS == 2:
+                acc_hi += _dot(p, k_hi, DOTS, INTERPRETED)
             m = new_m
 
         has_tokens = end > start
@@ -371,7 +378,8 @@ if triton is not None:
             + dh[None, :]
         )
         tl.store(out_base, acc_lo * out_scale, mask=h_mask[:, None])
-        tl.store(out_base + DH, acc_hi * out_scale, mask=h_mask[:, None])
+        if PARTS == 2:
+            tl.store(out_base + DH, acc_hi * out_scale, mask=h_mask[:, None])
         tl.store(
             mid_lse_ptr + row * stride_ml_row + h * stride_ml_h + split,
             lse,
@@ -531,6 +539,7 @@ def mla_decode(
     num_warps: int | None = None,
     dots: str | None = None,
     max_registers: int | None = None,
+    latent_halves: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; the Triton kernels where they apply, else the reference with
     a one-time log line naming why. ``max_seq_len`` (a host int, at least
@@ -639,6 +648,7 @@ def mla_decode(
             if hardware_cvt
             else 2.0 ** (15 - E4M3_EXPONENT_BIAS.get(cache.dtype, 7)),
             HARDWARE_CVT=hardware_cvt,
+            PARTS=2 if latent_halves else 1,
             INTERPRETED=interpreted(),
             # fp32 dots hold twice the registers: at 4 warps they spill 11 KB on
             # sm90 and ptxas takes minutes over them.
