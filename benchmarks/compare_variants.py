@@ -90,8 +90,11 @@ def gate_up_output(run) -> torch.Tensor:
     quantize = moe.quantize_rows
 
     def recording(x, dtype, **padding):
-        if "rows" in padding:  # the intermediate: its pairs' rows (no padding)
-            recorded.append(x[padding["rows"] >= 0].clone())
+        if "rows" in padding:  # the intermediate, a row a routed pair, in pair order
+            rows = padding["rows"].long()  # (the kernel's row order varies)
+            by_pair = torch.zeros(int((rows >= 0).sum()), x.shape[1], device=x.device)
+            by_pair[rows[rows >= 0]] = x[rows >= 0]
+            recorded.append(by_pair)
         return quantize(x, dtype, **padding)
 
     moe.quantize_rows = recording

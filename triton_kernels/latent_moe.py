@@ -24,9 +24,12 @@ decoded in registers: every e2m1 value is exact in e4m3, so this is W4A8).
 The kernels multiply FP8 activations by FP8 weights (MXFP4 values converted to e4m3
 in registers, exactly) with ``tl.dot`` into fp32 and apply the weight scale per K
 tile (per-channel scales after the K loop); every FP8 x FP8 product is exact in
-fp32 (on Hopper each MMA instruction's narrower sum is added into the fp32
-accumulator, see ``_accumulate``), so they differ from the reference only by
-summation order. Under 64-row
+fp32. On Hopper the FP8 MMA adds products in a narrower accumulator: by default
+each K tile's sum (128 products) goes into the fp32 one, which kept the gate/up
+output within 1.9e-4 of its largest on an H200 at K3's shapes (the promotion
+interval of DeepSeek-V3's FP8 GEMMs); ``imprecise_products=0`` makes the sums
+exact, so the kernels differ from the reference only by summation order (the
+interpreter and the tests' stage checks), "never" is vLLM's ``fused_moe``. Under 64-row
 blocks on NVIDIA the dots run transposed (weights @ activations), so the FP8
 tensor-core MMA takes them.
 """
@@ -422,10 +425,9 @@ if triton is not None:
         """``acc`` plus ``x @ w^T``, scaled per weight row unless per-channel
         (``FMT`` 0: that scale holds over all of K and is applied after the loop,
         so the dot accumulates in place). FP8 x FP8 products are exact in fp32;
-        Hopper's FP8 MMA (wgmma) adds them in a narrower accumulator, so each
-        instruction's sum is added into the fp32 one after at most ``IMPRECISE``
-        products (0: after every instruction; measured on an H200, 2e-7 of the
-        largest output against 7e-3 with Triton's default of never).
+        Hopper's FP8 MMA (wgmma) adds them in a narrower accumulator, whose sum
+        goes into the fp32 one after at most ``IMPRECISE`` products (0: after
+        every instruction, exact; None: Triton's default, never).
         ``SWAP_AB``: ``acc`` is held transposed and the dot runs as ``w @ x^T``,
         the weight rows its M: wgmma needs M of 64 or more, and under 64 rows
         Triton converts both operands to fp16 for the older MMA instead."""
@@ -690,9 +692,12 @@ def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
     (``benchmarks/sweep_moe_tiles.py``, ``benchmarks/results/moe_tiles_h200.txt``,
     ``kernels_h200.md``).
 
-    FP8: 64 x 128 tiles; block_m 16 under 256 tokens, 64 from 256, and for
-    per-channel scales 128 from 1,024 (4,096 tokens: 7.6-7.9 ms against 8.0-8.1).
-    Block scales keep 64 (at 128 they took 16.2 ms against 10.0). 128-wide tiles
+    FP8: 64 x 128 tiles; block_m 16 under 256 tokens, 64 from 256. 128-row blocks
+    measured faster for per-channel scales from 1,024 tokens (4,096 tokens: 7.6-7.9
+    ms against 8.0-8.1) when the FP8 sums were never promoted; adding each K
+    tile's sum into fp32 (the default since) needs a second accumulator, which at
+    128 rows and 4 warps spills 80 bytes on sm90, so 64 it is until a sweep says
+    otherwise. Block scales took 16.2 ms at 128 against 10.0 at 64. 128-wide tiles
     for one token measured 7% faster in the sweep and 6% slower in the benchmark
     run after it: not taken. MXFP4: 64 x 32 tiles. At 128 x 32 (1.7x to 6.4x
     faster than 32 x 32 in the first sweep, when gate and up were two dots of
@@ -700,8 +705,6 @@ def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
     is 128 wide, as each of the two was then, and spills none (the down GEMM's
     tile halves with it). Untimed since."""
     block_m = 64 if tokens >= 256 else 16
-    if fmt == "fp8" and tokens >= 1024:
-        block_m = 128
     if fmt == "mxfp4":
         return block_m, 64, 32
     return block_m, 64, 128
@@ -722,7 +725,7 @@ def latent_moe(
     num_warps: int = 4,
     num_stages: int | None = None,
     swap_ab: bool | None = None,
-    imprecise_products: int | None = 0,
+    imprecise_products: int | str = "k-tile",
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
     the reference). Both leave out pairs routed outside ``[0, E)``: another rank's
@@ -730,9 +733,13 @@ def latent_moe(
     ``default_tiles`` unless given. ``swap_ab``: run the GEMMs' dots as weights
     times activations (see ``_accumulate``); by default under 64-row blocks off
     AMD (whose MFMA takes 16 rows as they are). ``imprecise_products``: FP8
-    products Hopper's MMA may add in its narrower accumulator before the fp32 one
-    (at most ``block_k``; 0, the default, keeps the sums exact to fp32; None:
-    Triton's default, never within a program, as vLLM's ``fused_moe``)."""
+    products Hopper's MMA may add in its narrower accumulator before they go into
+    the fp32 one: ``"k-tile"`` (the default) a K tile's, 0 none (sums exact to
+    fp32), up to ``block_k``, or ``"never"`` (Triton's default, as vLLM's
+    ``fused_moe``). On an H200 at K3's shapes (``compare_variants.py``,
+    ``benchmarks/results/variants_h200.txt``) a K tile's (128) leaves the gate/up
+    output 1.9e-4 of its largest from exact, "never" 3.1e-3; exact sums cost
+    23% at one token and 45% at 4,096 over a K tile's, "never" saves up to 17%."""
     tiles = default_tiles(experts.fmt, z.shape[0])
     block_m, block_n, block_k = (
         given or default
@@ -771,12 +778,20 @@ def latent_moe(
     h = torch.empty(rows.numel(), inner, dtype=torch.float32, device=z.device)
     if swap_ab is None:
         swap_ab = block_m < 64 and not runtime.on_rocm()
-    if imprecise_products is not None and not 0 <= imprecise_products <= block_k:
-        raise ValueError(f"imprecise_products {imprecise_products}: 0 to block_k")
+    imprecise = {"k-tile": block_k, "never": None}.get(
+        imprecise_products, imprecise_products
+    )
+    if imprecise is not None and not (
+        isinstance(imprecise, int) and 0 <= imprecise <= block_k
+    ):
+        raise ValueError(
+            f"imprecise_products {imprecise_products!r}: 'k-tile', 'never' or 0 to "
+            f"block_k ({block_k})"
+        )
     launch = {
         "num_warps": num_warps,
         "SWAP_AB": swap_ab,
-        "IMPRECISE": imprecise_products,
+        "IMPRECISE": imprecise,
     }
     if num_stages is not None:  # else Triton's default for the platform
         launch["num_stages"] = num_stages

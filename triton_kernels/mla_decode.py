@@ -13,12 +13,13 @@ Shapes (Kimi-K3: ``H`` = 96 heads before TP, latent ``DV`` = 512, ``DPE`` = 64):
 - returns ``(out [B, Q, H, DV] fp32, lse [B, Q, H] fp32)``; the values are the first
   ``DV`` channels of the cache (the normalized ``c_kv``).
 
-The latent goes through both dots in two halves (256 + 256, and the 64 rope
-channels), so no operand holds a 512-wide row's registers. With fp16-pairs dots
-the accumulator is rescaled only on the tiles where some row's running maximum
-grows (the factor is exactly 1 on the others); the other formats rescale every
-tile, which on sm90 holds fewer registers there (bf16 over a bf16 cache: 130
-against 179) or spills less (fp16: 128 bytes against 152).
+``latent_halves=True`` takes the latent through both dots in two halves (256 +
+256, and the 64 rope channels): fewer registers and instructions on sm90, yet
+4-5% slower on an H200 (``benchmarks/results/variants_h200.txt``), so the default
+takes it whole. With fp16-pairs dots the accumulator is rescaled only on the
+tiles where some row's running maximum grows (the factor is exactly 1 on the
+others); the other formats rescale every tile, which on sm90 holds fewer
+registers there (bf16 over a bf16 cache: 130 against 179) or spills less.
 
 Dots (``dot_format``): with a ``bfloat16`` query over an FP8 cache (the model's case
 on a GPU), both dots run on fp16 tensor cores with fp32 accumulation: every e4m3
@@ -503,9 +504,11 @@ DOTS = {"fp32": 0, "bf16": 1, "fp16": 2, "fp16-pairs": 3}
 # ldmatrix. In the "fp16" format Triton converts the bytes once for each dot, in
 # each dot's layout, through shared-memory byte loads. Static counts on sm90
 # (``python -m tests.kernels.cross_compile sm90``, the loop over tiles of 32
-# tokens, 4 warps): "fp16" 1,035 instructions a warp, 128 bytes of spill;
-# "fp16-pairs" 571 (506 when no row's maximum grows), no spill. Not yet timed on
-# a GPU, so not the default.
+# tokens, 4 warps, latent in halves): "fp16" 1,035 instructions a warp, 128 bytes
+# of spill; "fp16-pairs" 571 (506 when no row's maximum grows), no spill. Yet on
+# an H200 fp16-pairs ran 3% faster than halved fp16 and 1-8% slower than whole
+# fp16, the default (benchmarks/results/variants_h200.txt): this kernel is not
+# bound by its instructions.
 FP8_ALTERNATIVES = {"fp16": ("bf16", "fp16-pairs")}
 
 
@@ -539,7 +542,7 @@ def mla_decode(
     num_warps: int | None = None,
     dots: str | None = None,
     max_registers: int | None = None,
-    latent_halves: bool = True,
+    latent_halves: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; the Triton kernels where they apply, else the reference with
     a one-time log line naming why. ``max_seq_len`` (a host int, at least

@@ -277,7 +277,7 @@ def _cases(fp8: torch.dtype):
         ("latent moe fp8, 300 tokens", latent_moe, moe("fp8", 300)),
         ("latent moe fp8-block, 300 tokens", latent_moe, moe("fp8-block", 300)),
         ("latent moe mxfp4, 300 tokens", latent_moe, moe("mxfp4", 300)),
-        # From 1,024 tokens per-channel FP8 takes 128-row blocks.
+        # Past 1,024 tokens (per-channel FP8 took 128-row blocks there before).
         ("latent moe fp8, 1100 tokens", latent_moe, moe("fp8", 1100)),
         ("kda decode", kda_decode, kda_step),
         ("kda chunk terms", kda_chunk_terms, terms(16, torch.float32)),
