@@ -5,12 +5,10 @@ queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 1. Tile, pipeline, warps and dot operands: ``block_n`` x warps 32 x 4, 32 x 8
    and 64 x 8 (64 x 4 was the slowest in both runs before), ``num_stages`` 2/3,
    fp16 (the default) or fp16-pairs dots (bf16 measured 1.1-1.3x slower than
-   fp16 in the runs before), and for fp16-pairs at 4 warps a register cap of
-   168 a thread (3 programs a multiprocessor, against 2 at its 189; its 72 KiB
-   of shared memory allow no fourth, so a lower cap gains nothing: ``python -m
-   tests.kernels.cross_compile sm90``); each at the default split count and at
-   1.5x and 2x of it, over four batch x context shapes. Prints every
-   configuration's time per shape.
+   fp16 in the runs before; a 168-register cap, 3 programs a multiprocessor,
+   made fp16-pairs 2-4% slower: ``results/variants_h200.txt``), each at the
+   default split count and at 1.5x and 2x of it, over four batch x context
+   shapes. Prints every configuration's time per shape.
 2. Split counts: for the fastest configuration of part 1, split counts from 1 to 3
    per multiprocessor on each shape, against ``default_num_splits``.
 
@@ -64,15 +62,12 @@ def main() -> None:
     print("defaults (splits):", {f"B={b} ctx={c}": s for (b, c), s in defaults.items()})
     results = []
     configs = [
-        (block_n, stages, warps, dots, registers)
+        (block_n, stages, warps, dots)
         for (block_n, warps), stages, dots in itertools.product(
             ((32, 4), (32, 8), (64, 8)), (2, 3), ("fp16", "fp16-pairs")
         )
-        for registers in (
-            (None, 168) if (dots, warps) == ("fp16-pairs", 4) else (None,)
-        )
     ]
-    for block_n, stages, warps, dots, registers in configs:
+    for block_n, stages, warps, dots in configs:
         line = []
         total = 0.0
         for shape, (q, cache, table, lens) in cases.items():
@@ -82,7 +77,7 @@ def main() -> None:
                     k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
                     num_splits=max(1, round(defaults[shape] * factor)),
                     block_n=block_n, num_stages=stages, num_warps=warps,
-                    dots=dots, max_registers=registers,
+                    dots=dots,
                 )  # fmt: skip
                 try:
                     us = microseconds(run)
@@ -98,11 +93,11 @@ def main() -> None:
             line.append(
                 f"B={shape[0]} ctx={shape[1]} {best[0]:.0f}us x{best[1]} {tbs:.2f}TB/s"
             )
-        label = f"bn{block_n} stages{stages} warps{warps} {dots} regs{registers}"
-        results.append((total, label, (block_n, stages, warps, dots, registers)))
+        label = f"bn{block_n} stages{stages} warps{warps} {dots}"
+        results.append((total, label, (block_n, stages, warps, dots)))
         print(f"{label}: " + "; ".join(line), flush=True)
     results.sort(key=lambda result: result[0])
-    _, label, (block_n, stages, warps, dots, registers) = results[0]
+    _, label, (block_n, stages, warps, dots) = results[0]
     print(f"fastest: {label}", flush=True)
     for shape, (q, cache, table, lens) in cases.items():
         most = min(3 * sms, math.ceil(shape[1] / k.MIN_SPLIT_TOKENS))
@@ -112,7 +107,7 @@ def main() -> None:
             run = functools.partial(
                 k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
                 num_splits=splits, block_n=block_n, num_stages=stages,
-                num_warps=warps, dots=dots, max_registers=registers,
+                num_warps=warps, dots=dots,
             )  # fmt: skip
             timings.append((microseconds(run), splits))
         default_us = dict((s, t) for t, s in timings).get(defaults[shape])

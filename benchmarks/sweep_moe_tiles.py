@@ -47,11 +47,10 @@ def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
         configs = itertools.product(block_ms, ((64, 128), (128, 128)), warps, (3, 4))
     # Under 64-row blocks both orientations of the dots (None: the default).
     swaps = (True, False) if tokens < 256 else (None,)
-    results = []
-    for (block_m, (block_n, block_k), warps, stages), swap in [
-        ((default[0], default[1:], 4, None), None),
-        *itertools.product(configs, swaps),
-    ]:
+    results, default_us = [], float("nan")
+    for index, ((block_m, (block_n, block_k), warps, stages), swap) in enumerate(
+        [((default[0], default[1:], 4, None), None), *itertools.product(configs, swaps)]
+    ):
         run = functools.partial(
             moe.latent_moe, z, ids, weights, packed, block_m=block_m,
             block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
@@ -60,10 +59,14 @@ def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
         try:
             us = microseconds(run)
         except Exception as error:  # out of resources: report, go on
-            print(f"T={tokens} {fmt} {block_m}/{block_n}/{block_k}: {error!r:.100}")
+            print(
+                f"T={tokens} {fmt} bm{block_m} bn{block_n} bk{block_k} w{warps} "
+                f"s{stages} swap{swap}: {error!r:.100}"
+            )
             continue
+        if index == 0:
+            default_us = us
         results.append((us, block_m, block_n, block_k, warps, stages, swap))
-    default_us = results[0][0]
     results.sort(key=lambda result: result[0])
     best = [
         f"{us:.1f} bm{bm} bn{bn} bk{bk} w{w} s{s}"
