@@ -29,9 +29,9 @@ each K tile's sum (128 products) goes into the fp32 one, which kept the gate/up
 output within 1.9e-4 of its largest on an H200 at K3's shapes (the promotion
 interval of DeepSeek-V3's FP8 GEMMs); ``imprecise_products=0`` makes the sums
 exact, so the kernels differ from the reference only by summation order (the
-interpreter and the tests' stage checks), "never" is vLLM's ``fused_moe``. Under 64-row
-blocks on NVIDIA the dots run transposed (weights @ activations), so the FP8
-tensor-core MMA takes them.
+interpreter and the tests' stage checks), "never" is vLLM's ``fused_moe``. Under
+64-row blocks on NVIDIA the dots run transposed (weights @ activations), so the
+FP8 tensor-core MMA takes them.
 """
 
 from __future__ import annotations
@@ -432,27 +432,21 @@ if triton is not None:
         the weight rows its M: wgmma needs M of 64 or more, and under 64 rows
         Triton converts both operands to fp16 for the older MMA instead."""
         if SWAP_AB:
-            if FMT == 0:
-                acc = tl.dot(
-                    w, tl.trans(x), acc, out_dtype=tl.float32,
-                    max_num_imprecise_acc=IMPRECISE,
-                )  # fmt: skip
-            else:
-                acc += tl.dot(
-                    w, tl.trans(x), out_dtype=tl.float32,
-                    max_num_imprecise_acc=IMPRECISE,
-                ) * scale[:, None]  # fmt: skip
+            lhs, rhs = w, tl.trans(x)
         else:
-            if FMT == 0:
-                acc = tl.dot(
-                    x, tl.trans(w), acc, out_dtype=tl.float32,
-                    max_num_imprecise_acc=IMPRECISE,
-                )  # fmt: skip
+            lhs, rhs = x, tl.trans(w)
+        if FMT == 0:
+            acc = tl.dot(
+                lhs, rhs, acc, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE
+            )
+        else:
+            tile = tl.dot(
+                lhs, rhs, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE
+            )
+            if SWAP_AB:
+                acc += tile * scale[:, None]
             else:
-                acc += tl.dot(
-                    x, tl.trans(w), out_dtype=tl.float32,
-                    max_num_imprecise_acc=IMPRECISE,
-                ) * scale[None, :]  # fmt: skip
+                acc += tile * scale[None, :]
         return acc
 
     @triton.jit

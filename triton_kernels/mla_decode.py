@@ -265,8 +265,9 @@ if triton is not None:
 
         h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = h < heads
-        # The latent goes through the dots in two halves, so no operand holds the
-        # registers of a whole 512-wide row.
+        # PARTS 2: the latent goes through the dots in two halves (the "hi" half's
+        # query, keys and accumulator exist only then; at PARTS 1 q_hi repeats
+        # q_lo and acc_hi is a 16-wide stand-in, both unused).
         DH: tl.constexpr = DV // PARTS
         dh = tl.arange(0, DH)
         dpe = tl.arange(0, DPE)

@@ -13,13 +13,16 @@ unread.
     python -m tests.kernels.cross_compile sm90   # one JSON line per launch
 
 Each line also counts the launch's instructions (static: PTX for sm90, AMDGCN for
-gfx9xx), and on sm90 the classes that show how tiles reach the dots.
+gfx9xx), and on sm90 the classes that show how tiles reach the dots, the
+registers, shared memory and programs a multiprocessor, and the SASS of the
+longest loop.
 
 Run it without ``TRITON_INTERPRET`` (interpreted kernels do not compile).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -118,9 +121,16 @@ def instruction_counts(compiled) -> dict[str, int]:
 
 
 def _cuobjdump(compiled, *flags: str) -> str:
+    return _cuobjdump_cubin(compiled.asm["cubin"], *flags)
+
+
+@functools.lru_cache(maxsize=8)
+def _cuobjdump_cubin(cubin_bytes: bytes, *flags: str) -> str:
+    """What the cuobjdump Triton ships prints for a cubin; cached, as both the spill
+    and the register counts read its resource report."""
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
+        cubin.write(cubin_bytes)
         cubin.flush()
         return subprocess.run(
             [str(cuobjdump), *flags, cubin.name], capture_output=True, text=True

@@ -427,3 +427,32 @@ def test_a_register_cap_is_an_nvidia_setting(monkeypatch):
     monkeypatch.setattr(kernel.runtime, "on_rocm", lambda: True)
     with pytest.raises(ValueError, match="NVIDIA"):
         kernel.mla_decode(q, cache, table, lens, max_registers=168)
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "dots", "bound"),
+    [
+        (FP8[0], "fp16", 2**-11),
+        (FP8[0], "fp16-pairs", 2**-11),
+        (torch.bfloat16, "bf16", 2**-8),
+        (FP8[0], "fp32", 0.0),
+    ],
+)
+def test_the_latent_in_halves_keeps_each_formats_bound(cache_dtype, dots, bound):
+    """``latent_halves`` (off by default: slower on an H200) splits each dot's
+    latent in two; it holds each dot format's bound against the reference (the
+    weights' rounding times the largest value, plus fp32 summation order), across
+    pages, splits and speculative rows."""
+    q, cache, table, lens = _setup(
+        [70, 33, 1], heads=16, rows=3, page_size=16, dtype=cache_dtype, kv_scale=0.5
+    )
+    q = q.float() if dots == "fp32" else q.to(torch.bfloat16)
+    out, lse = kernel.mla_decode(
+        q, cache, table, lens, kv_scale=0.5, dots=dots, latent_halves=True
+    )
+    ref_out, ref_lse = kernel.mla_decode_reference(
+        q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=0.5
+    )
+    largest = cache[..., :512].float().abs().max() * 0.5
+    assert (out - ref_out).abs().max() <= bound * largest + 1e-4
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
