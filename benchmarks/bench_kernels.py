@@ -105,6 +105,12 @@ def _captured(run):
     return graph.replay
 
 
+def graph_microseconds(run) -> float:
+    """``run``'s device time on a GPU in microseconds, as the sweeps and the
+    comparison of options take it: CUDA-graph replays, 2 warm-up calls, 10 timed."""
+    return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
+
+
 def wall_timed(run, *, warmup: int, repeats: int, cuda: bool) -> float:
     """Median wall seconds of single calls, the launch included (what an eager
     scheduler step pays)."""

@@ -2,8 +2,9 @@
 ``bench_kernels.py`` times them, at K3's shapes, with vLLM's kernels for the same
 job in the same process:
 
-- MLA decode (FP8 cache, bf16 queries, 16 heads, 64-token pages): fp16 and
-  fp16-pairs dots, each with the latent in halves and whole; vLLM's
+- MLA decode (FP8 cache, bf16 queries, 16 heads, 64-token pages): fp16 (the
+  default) and fp16-pairs dots, each with the latent whole (the default) and in
+  halves; vLLM's
   ``decode_attention_fwd``; each row's HBM fraction, and how far fp16-pairs'
   output is from fp16's.
 - Latent MoE, FP8 per-channel weights (112 experts, top-16, latent 3584, inner
@@ -25,7 +26,8 @@ import math
 import time
 
 import torch
-from bench_kernels import _vllm_mla, timed
+from bench_kernels import _vllm_mla
+from bench_kernels import graph_microseconds as microseconds
 
 from k3_triton_kernels import latent_moe as moe
 from k3_triton_kernels import mla_decode as mla
@@ -35,10 +37,6 @@ HBM = 4.8e12  # H200
 MLA_SHAPES = ((1, 131072), (32, 32768), (128, 32768), (32, 131072))
 MOE_TOKENS = (1, 256, 4096)
 EXPERTS, TOP_K, LATENT, INNER = 112, 16, 3584, 3072
-
-
-def microseconds(run) -> float:
-    return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
 
 
 def gap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -57,9 +55,9 @@ def compare_mla(device) -> None:
         cells, outputs = [], {}
         for label, options in (
             ("fp16", {}),
-            ("fp16 whole", {"latent_halves": False}),
+            ("fp16 halves", {"latent_halves": True}),
             ("fp16-pairs", {"dots": "fp16-pairs"}),
-            ("fp16-pairs whole", {"dots": "fp16-pairs", "latent_halves": False}),
+            ("fp16-pairs halves", {"dots": "fp16-pairs", "latent_halves": True}),
         ):
             run = functools.partial(
                 mla.mla_decode, q, cache, table, lens, max_seq_len=context, **options
@@ -83,9 +81,10 @@ def compare_mla(device) -> None:
         del cache
 
 
-def gate_up_output(run) -> torch.Tensor:
-    """The gate/up GEMM's SiTU output (before its requantization) of ``run``: the
-    same FP8 inputs for every variant, so its gap is the accumulation's alone."""
+def output_and_gate_up(run) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run``'s output, and its gate/up GEMM's SiTU output (before its
+    requantization): the same FP8 inputs for every variant, so that gap is the
+    accumulation's alone."""
     recorded = []
     quantize = moe.quantize_rows
 
@@ -99,10 +98,10 @@ def gate_up_output(run) -> torch.Tensor:
 
     moe.quantize_rows = recording
     try:
-        run()
+        out = run()
     finally:
         moe.quantize_rows = quantize
-    return recorded[-1]
+    return out, recorded[-1]
 
 
 def compare_moe(device) -> None:
@@ -129,8 +128,7 @@ def compare_moe(device) -> None:
             run = functools.partial(moe.latent_moe, z, ids, weights, packed, **options)
             try:
                 us = microseconds(run)
-                outputs[label] = run()
-                intermediates[label] = gate_up_output(run)
+                outputs[label], intermediates[label] = output_and_gate_up(run)
             except Exception as error:  # report, go on
                 cells.append(f"{label} failed: {error!r:.120}")
                 continue

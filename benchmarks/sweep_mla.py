@@ -27,16 +27,12 @@ import math
 import time
 
 import torch
-from bench_kernels import timed
+from bench_kernels import graph_microseconds as microseconds
 
 from k3_triton_kernels import mla_decode as k
 
 HEADS, PAGE, WIDTH = 16, 64, 576
 SHAPES = ((1, 131072), (32, 32768), (128, 32768), (32, 131072))
-
-
-def microseconds(run) -> float:
-    return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
 
 
 def inputs(batch: int, context: int, device):

@@ -23,16 +23,12 @@ import itertools
 import time
 
 import torch
-from bench_kernels import timed
+from bench_kernels import graph_microseconds as microseconds
 
 from k3_triton_kernels import latent_moe as moe
 from vllm_k3_plugin.model.reference import route
 
 EXPERTS, TOP_K, LATENT, INNER = 112, 16, 3584, 3072
-
-
-def microseconds(run) -> float:
-    return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
 
 
 def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
