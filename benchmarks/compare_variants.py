@@ -8,10 +8,13 @@ job in the same process:
   ``decode_attention_fwd``; each row's HBM fraction, and how far fp16-pairs'
   output is from fp16's.
 - Latent MoE, FP8 per-channel weights (112 experts, top-16, latent 3584, inner
-  3072): the default (exact accumulation); Hopper's narrow FP8 accumulation
-  over a whole K tile (``imprecise_products=block_k``) or over the whole K loop
-  (None, as vLLM's ``fused_moe``); vLLM's two GEMMs alone; each variant's gap to
-  the default's output, and of the gate/up GEMM's output alone.
+  3072): exact sums (``imprecise_products=0``); the default (Hopper's narrow FP8
+  accumulation over each K tile, the down GEMM's column blocks first); the down
+  GEMM's row blocks first (``down_rows_first``); never promoting (as vLLM's
+  ``fused_moe``); from 256 tokens 128-row blocks at 8 warps; vLLM's two GEMMs
+  alone; each variant's gap to the exact sums' output, and of the gate/up GEMM's
+  output alone. Then the same experts as MXFP4 (``tl.dot_scaled``) at the
+  default tiles.
 
     python benchmarks/compare_variants.py   # on a GPU; about 2 minutes
 
@@ -109,30 +112,37 @@ def compare_moe(device) -> None:
     w13 = torch.randn(EXPERTS, 2 * INNER, LATENT, device=device) / LATENT**0.5
     w2 = torch.randn(EXPERTS, LATENT, INNER, device=device) / INNER**0.5
     packed = moe.fp8_experts_from(w13, w2)
+    mxfp4 = moe.mxfp4_experts_from(w13, w2)
     del w13, w2
     weight_bytes = packed.w13[0].numel() + packed.w2[0].numel()
+    mxfp4_bytes = sum(t[0].numel() for t in mxfp4[1:])
     for tokens in MOE_TOKENS:
         z = torch.randn(tokens, LATENT, device=device)
         logits = torch.randn(tokens, EXPERTS, device=device)
         weights, ids = route(logits, torch.zeros(EXPERTS, device=device), TOP_K)
         experts_used = len(torch.unique(ids))
         flops = 2 * tokens * TOP_K * LATENT * 3 * INNER
-        block_k = moe.default_tiles("fp8", tokens)[2]
         cells, outputs, intermediates = [], {}, {}
         variants = [
+            ("exact", {"imprecise_products": 0}),
             ("default", {}),
-            ("per-tile", {"imprecise_products": block_k}),
+            ("rows-first", {"down_rows_first": True}),
             ("never", {"imprecise_products": None}),
         ]
+        if tokens >= 256:
+            variants.append(("bm128 w8", {"block_m": 128, "num_warps": 8}))
+        variants.append(("mxfp4", {"experts": mxfp4}))
         for label, options in variants:
-            run = functools.partial(moe.latent_moe, z, ids, weights, packed, **options)
+            experts = options.pop("experts", packed)
+            run = functools.partial(moe.latent_moe, z, ids, weights, experts, **options)
             try:
                 us = microseconds(run)
                 outputs[label], intermediates[label] = output_and_gate_up(run)
             except Exception as error:  # report, go on
                 cells.append(f"{label} failed: {error!r:.120}")
                 continue
-            hbm = experts_used * weight_bytes / us * 1e6 / HBM
+            moved = weight_bytes if experts is packed else mxfp4_bytes
+            hbm = experts_used * moved / us * 1e6 / HBM
             tflops = flops / us / 1e6
             cells.append(f"{label} {us:.1f}us {hbm:.0%} HBM {tflops:.0f} TFLOP/s")
         try:
@@ -142,13 +152,14 @@ def compare_moe(device) -> None:
             cells.append(f"vLLM GEMMs {microseconds(vllm.gemms):.1f}us")
         except Exception as error:  # a baseline that does not run is reported
             cells.append(f"vLLM failed ({error!r:.80})")
-        for label in ("per-tile", "never"):
-            if label in outputs and "default" in outputs:
+        for label in outputs:
+            # MXFP4 rounds the weights themselves: no accumulation gap to show.
+            if label not in ("exact", "mxfp4") and "exact" in outputs:
                 cells.append(
-                    f"{label} gap {gap(outputs[label], outputs['default']):.1e}, "
-                    f"gate/up {gap(intermediates[label], intermediates['default']):.1e}"
+                    f"{label} gap {gap(outputs[label], outputs['exact']):.1e}, "
+                    f"gate/up {gap(intermediates[label], intermediates['exact']):.1e}"
                 )
-        print(f"MoE fp8 T={tokens}: " + "; ".join(cells), flush=True)
+        print(f"MoE T={tokens}: " + "; ".join(cells), flush=True)
 
 
 def main() -> None:

@@ -1,11 +1,10 @@
 """Tile sweep of the latent MoE on a GPU, timed by CUDA-graph replays as
 ``bench_kernels.py`` times it: K3's shapes on one device (112 experts, top-16,
-latent 3584, inner 3072) at 1, 16, 256 and 4,096 tokens. FP8: block_m 16 (under 256
-tokens) or 64/128, block_n x block_k 64 x 128 and 128 x 128 (the gate/up dot is
-2 x block_n wide), 4 warps, and from 256 tokens 8 too (a 128 x 256 gate/up
-accumulator needs two warp groups), 3 and 4 pipeline stages; MXFP4 (up to 256 tokens):
-block_n 64/128 on the 32-wide scale block, 4 and 8 warps, 3 and 4 stages; under
-256 tokens each with the dots both ways (``swap_ab``). Prints
+latent 3584, inner 3072) at 1, 16, 256 and 4,096 tokens, FP8 and MXFP4 alike:
+block_m 16 (under 256 tokens) or 64/128, block_n x block_k 64 x 128 and 128 x 128
+(the gate/up dot is 2 x block_n wide), 4 warps, and from 256 tokens 8 too (a 128 x
+256 gate/up accumulator needs two warp groups), 3 and 4 pipeline stages; under 256
+tokens each with the dots both ways (``swap_ab``). Prints
 the default and the four fastest per token count, and, for FP8, what the steps
 around the GEMMs take alone (the expert grouping, the activations' quantization)
 next to vLLM's two GEMMs.
@@ -34,13 +33,9 @@ EXPERTS, TOP_K, LATENT, INNER = 112, 16, 3584, 3072
 def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
     """The default tiles' time and the four fastest configurations of ``fmt``."""
     default = moe.default_tiles(fmt, tokens)
-    if fmt == "mxfp4":  # block_k is the 32-wide scale block
-        block_ms = (64,) if tokens >= 256 else (16,)
-        configs = itertools.product(block_ms, ((64, 32), (128, 32)), (4, 8), (3, 4))
-    else:
-        block_ms = (64, 128) if tokens >= 256 else (16,)
-        warps = (4, 8) if tokens >= 256 else (4,)
-        configs = itertools.product(block_ms, ((64, 128), (128, 128)), warps, (3, 4))
+    block_ms = (64, 128) if tokens >= 256 else (16,)
+    warps = (4, 8) if tokens >= 256 else (4,)
+    configs = itertools.product(block_ms, ((64, 128), (128, 128)), warps, (3, 4))
     # Under 64-row blocks both orientations of the dots (None: the default).
     swaps = (True, False) if tokens < 256 else (None,)
     results, default_us = [], float("nan")
@@ -102,9 +97,8 @@ def main() -> None:
             f"{grouping:.1f}us, z quantization {quantize:.1f}us; vLLM GEMMs {vllm}us",
             flush=True,
         )
-        if tokens <= 256:  # MXFP4 at 4,096 tokens took 0.1 s a call before
-            default_us, best = sweep(mxfp4, "mxfp4", tokens, z, ids, weights)
-            print(f"T={tokens} mxfp4 default={default_us:.1f}us best: {best}")
+        default_us, best = sweep(mxfp4, "mxfp4", tokens, z, ids, weights)
+        print(f"T={tokens} mxfp4 default={default_us:.1f}us best: {best}", flush=True)
     print("elapsed", time.time() - started)
 
 

@@ -18,20 +18,29 @@ caller names the activation dtype (``fp8_dtype``, the platform's FP8).
 
 Weight formats: ``"fp8"`` (e4m3 values with one scale per output channel),
 ``"fp8-block"`` (e4m3 values with one scale per 128 x 128 block) and ``"mxfp4"``
-(the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per 32 inputs,
-decoded in registers: every e2m1 value is exact in e4m3, so this is W4A8).
+(the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per 32 inputs).
 
-The kernels multiply FP8 activations by FP8 weights (MXFP4 values converted to e4m3
-in registers, exactly) with ``tl.dot`` into fp32 and apply the weight scale per K
-tile (per-channel scales after the K loop); every FP8 x FP8 product is exact in
-fp32. On Hopper the FP8 MMA adds products in a narrower accumulator: by default
-each K tile's sum (128 products) goes into the fp32 one, which kept the gate/up
-output within 1.9e-4 of its largest on an H200 at K3's shapes (the promotion
-interval of DeepSeek-V3's FP8 GEMMs); ``imprecise_products=0`` makes the sums
-exact, so the kernels differ from the reference only by summation order (the
-interpreter and the tests' stage checks), "never" is vLLM's ``fused_moe``. Under
-64-row blocks on NVIDIA the dots run transposed (weights @ activations), so the
-FP8 tensor-core MMA takes them.
+FP8 weights: the kernels multiply FP8 activations by FP8 weights with ``tl.dot``
+into fp32 and apply the weight scale per K tile (per-channel scales after the K
+loop); every FP8 x FP8 product is exact in fp32. On Hopper the FP8 MMA adds
+products in a narrower accumulator: by default each K tile's sum (128 products)
+goes into the fp32 one, which kept the gate/up output within 1.9e-4 of its largest
+on an H200 at K3's shapes (the promotion interval of DeepSeek-V3's FP8 GEMMs);
+``imprecise_products=0`` makes the sums exact, so the kernels differ from the
+reference only by summation order (the interpreter and the tests' stage checks),
+"never" is vLLM's ``fused_moe``. Under 64-row blocks on NVIDIA the dots run
+transposed (weights @ activations), so the FP8 tensor-core MMA takes them.
+
+MXFP4 weights (W4A8): ``tl.dot_scaled`` takes the packed e2m1 bytes and their e8m0
+scales as they are stored, and the FP8 activations, in K tiles of whole scale
+groups. On gfx950 (MI355X) that is the matrix cores' own scaled MFMA (e4m3 x
+e2m1, ``v_mfma_scale_f32_*_f8f6f4``); on Hopper and gfx94x Triton decodes both
+to bf16 in registers and runs a bf16 MMA. Either way each product (an FP8 value
+times an e2m1 value times a power of two) is exact in fp32 and the sums are
+fp32, as the reference computes. Decoding to e4m3 instead (every e2m1 value is
+exact there, but a value times its scale is not) needs a rescale of the
+accumulator at every 32-wide scale group: 9-13x slower than FP8 weights on an
+H200 (``benchmarks/results/kernels_h200.md``).
 """
 
 from __future__ import annotations
@@ -187,8 +196,6 @@ except ImportError:  # pragma: no cover
     triton = None
 
 FORMATS = {"fp8": 0, "mxfp4": 1, "fp8-block": 2}
-# The byte of 0.5 in each e4m3 flavour: exponent field bias - 1, mantissa 0.
-E4M3_HALF = {dtype: (bias - 1) << 3 for dtype, bias in E4M3_EXPONENT_BIAS.items()}
 # Where each e4m3 flavour's subnormals end (2^(1 - bias)), their steps per unit
 # (2^(bias + 2): three mantissa bits below the smallest normal), and its NaN byte.
 E4M3_RANGES = {
@@ -200,20 +207,9 @@ E4M3_RANGES = {
     for dtype, bias in E4M3_EXPONENT_BIAS.items()
 }
 # The K span of one weight scale (per-channel FP8 has one scale for all of K).
-SCALE_SPAN = {"mxfp4": 32, "fp8-block": 128}
+SCALE_SPAN = {"mxfp4": MXFP4_BLOCK, "fp8-block": SCALE_BLOCK}
 
 if triton is not None:
-
-    @triton.jit
-    def _e2m1_to_e4m3_bits(nibble, HALF: tl.constexpr):
-        """The e4m3 byte of each e2m1 ``nibble`` (every e2m1 value is exact in
-        e4m3), by integer arithmetic. Magnitude code c (exponent c >> 1, mantissa
-        c & 1): 0 is 0, 0.5 is ``HALF`` (the e4m3 byte of 0.5), and from c = 2 on,
-        (e - 1 + bias) << 3 | (c & 1) << 2 = HALF + 4c. Negative zero becomes +0
-        (fnuz's 0x80 is NaN)."""
-        code = nibble & 0x7
-        bits = tl.where(code < 2, code * HALF, HALF + 4 * code)
-        return tl.where(((nibble & 0x8) != 0) & (code != 0), bits | 0x80, bits)
 
     @triton.jit
     def _load_weight_tile(
@@ -223,42 +219,39 @@ if triton is not None:
         n,
         k,
         k0,
+        k_limit,
         stride_we,
         stride_wn,
         stride_se,
         stride_sn,
         n_mask,
         k_mask,
-        FP8_TYPE: tl.constexpr,
         FMT: tl.constexpr,
-        HALF: tl.constexpr,
     ):
-        """One expert's ``[BLOCK_N, BLOCK_K]`` tile as FP8 values and the scale of
-        each output row for this K tile (``BLOCK_K`` divides the format's
-        ``SCALE_SPAN``, so one scale holds over the tile)."""
+        """One expert's ``[BLOCK_N, BLOCK_K]`` tile and its scales. FP8: the values
+        and the scale of each output row for this K tile (``BLOCK_K`` divides the
+        format's ``SCALE_SPAN``, so one scale holds over the tile). MXFP4: the
+        ``[BLOCK_N, BLOCK_K / 2]`` packed bytes and ``[BLOCK_N, BLOCK_K / 32]``
+        e8m0 scale bytes, for ``tl.dot_scaled``."""
         # One branch per format, one return after them: Triton compiles the code
         # after an early return in a constexpr branch too, and an FP8 load with an
         # integer ``other`` does not compile.
         if FMT == 1:  # MXFP4: two e2m1 values a byte, an e8m0 scale per 32
-            # The tile's bytes, loaded whole (K is a multiple of 32 in this format,
-            # so a K tile is never partial), each decoded to its two values.
+            # The packed bytes and scale bytes as they are: ``tl.dot_scaled``
+            # decodes them (K is a multiple of 32 in this format, so a K tile
+            # covers whole scale groups; past K, zero bytes and unit scales).
             pair = k0 // 2 + tl.arange(0, k.shape[0] // 2)
-            byte = tl.load(
+            values = tl.load(
                 w_ptr + expert * stride_we + n[:, None] * stride_wn + pair[None, :],
-                mask=n_mask[:, None],
+                mask=n_mask[:, None] & (pair < k_limit // 2)[None, :],
                 other=0,
-            ).to(tl.int32)
-            low = _e2m1_to_e4m3_bits(byte & 0xF, HALF)
-            high = _e2m1_to_e4m3_bits(byte >> 4, HALF)
-            # The low nibble is the even column.
-            bits = tl.reshape(tl.join(low, high), (n.shape[0], k.shape[0]))
-            values = bits.to(tl.uint8).to(FP8_TYPE, bitcast=True)
-            e8m0 = tl.load(
-                s_ptr + expert * stride_se + n * stride_sn + k0 // 32,
-                mask=n_mask,
+            )
+            group = k0 // 32 + tl.arange(0, k.shape[0] // 32)
+            scale = tl.load(
+                s_ptr + expert * stride_se + n[:, None] * stride_sn + group[None, :],
+                mask=n_mask[:, None] & (group < k_limit // 32)[None, :],
                 other=127,
-            ).to(tl.float32)
-            scale = tl.where(n_mask, tl.exp2(e8m0 - 127.0), 0.0)
+            )
         else:  # FP8 values, one a byte
             values = tl.load(
                 w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
@@ -421,6 +414,7 @@ if triton is not None:
         FMT: tl.constexpr,
         SWAP_AB: tl.constexpr,
         IMPRECISE: tl.constexpr,
+        X_FORMAT: tl.constexpr,
     ):
         """``acc`` plus ``x @ w^T``, scaled per weight row unless per-channel
         (``FMT`` 0: that scale holds over all of K and is applied after the loop,
@@ -430,23 +424,39 @@ if triton is not None:
         every instruction, exact; None: Triton's default, never).
         ``SWAP_AB``: ``acc`` is held transposed and the dot runs as ``w @ x^T``,
         the weight rows its M: wgmma needs M of 64 or more, and under 64 rows
-        Triton converts both operands to fp16 for the older MMA instead."""
-        if SWAP_AB:
-            lhs, rhs = w, tl.trans(x)
-        else:
-            lhs, rhs = x, tl.trans(w)
-        if FMT == 0:
-            acc = tl.dot(
-                lhs, rhs, acc, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE
-            )
-        else:
-            tile = tl.dot(
-                lhs, rhs, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE
-            )
+        Triton converts both operands to fp16 for the older MMA instead.
+        MXFP4 (``FMT`` 1): ``tl.dot_scaled`` of the packed e2m1 weights with their
+        e8m0 scales and the activations as ``X_FORMAT`` ("e4m3": OCP FP8;
+        "bf16": another FP8, whose values bf16 holds exactly)."""
+        # One branch per case, one return after them (see _load_weight_tile).
+        if FMT == 1:
+            if X_FORMAT == "bf16":
+                x = x.to(tl.bfloat16)
             if SWAP_AB:
-                acc += tile * scale[:, None]
+                acc = tl.dot_scaled(w, scale, "e2m1", tl.trans(x), None, X_FORMAT, acc)
             else:
-                acc += tile * scale[None, :]
+                acc = tl.dot_scaled(x, None, X_FORMAT, tl.trans(w), scale, "e2m1", acc)
+        else:
+            if SWAP_AB:
+                lhs, rhs = w, tl.trans(x)
+            else:
+                lhs, rhs = x, tl.trans(w)
+            if FMT == 0:
+                acc = tl.dot(
+                    lhs,
+                    rhs,
+                    acc,
+                    out_dtype=tl.float32,
+                    max_num_imprecise_acc=IMPRECISE,
+                )
+            else:
+                tile = tl.dot(
+                    lhs, rhs, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE
+                )
+                if SWAP_AB:
+                    acc += tile * scale[:, None]
+                else:
+                    acc += tile * scale[None, :]
         return acc
 
     @triton.jit
@@ -458,9 +468,8 @@ if triton is not None:
         return scale[None, :]
 
     @triton.jit
-    def _block_rows(rows_ptr, block_expert_ptr, top_k, BLOCK_M: tl.constexpr):
-        """This program's padded rows: (row, pair, valid, token, expert)."""
-        block = tl.program_id(0)
+    def _block_rows(rows_ptr, block_expert_ptr, block, top_k, BLOCK_M: tl.constexpr):
+        """Row block ``block``'s padded rows: (row, pair, valid, token, expert)."""
         m = block * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(rows_ptr + m)
         valid = pair >= 0
@@ -491,18 +500,19 @@ if triton is not None:
         beta,
         linear_beta,
         FMT: tl.constexpr,
-        FP8_HALF: tl.constexpr,
+        X_FORMAT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr,
         IMPRECISE: tl.constexpr,
     ):
-        if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
+        block = tl.program_id(0)
+        if block * BLOCK_M >= tl.load(used_rows_ptr):
             return  # past the used rows: no pair here
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         m, _pair, valid, token, expert = _block_rows(
-            rows_ptr, block_expert_ptr, top_k, BLOCK_M
+            rows_ptr, block_expert_ptr, block, top_k, BLOCK_M
         )
         n_mask = n < inner
         # One dot of 2 x BLOCK_N columns, gate and up interleaved (column 2j is
@@ -526,11 +536,10 @@ if triton is not None:
                 other=0.0,
             )
             w, s = _load_weight_tile(
-                w_ptr, s_ptr, expert, w_rows, k, k0,
-                stride_we, stride_wn, stride_se, stride_sn, w_mask, k_mask,
-                a_ptr.dtype.element_ty, FMT, FP8_HALF,
+                w_ptr, s_ptr, expert, w_rows, k, k0, latent,
+                stride_we, stride_wn, stride_se, stride_sn, w_mask, k_mask, FMT,
             )  # fmt: skip
-            acc = _accumulate(acc, a, w, s, FMT, SWAP_AB, IMPRECISE)
+            acc = _accumulate(acc, a, w, s, FMT, SWAP_AB, IMPRECISE, X_FORMAT)
         if SWAP_AB:
             acc = tl.trans(acc)
         if FMT == 0:
@@ -570,18 +579,25 @@ if triton is not None:
         stride_sn,
         stride_om,
         FMT: tl.constexpr,
-        FP8_HALF: tl.constexpr,
+        X_FORMAT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr,
         IMPRECISE: tl.constexpr,
+        ROWS_FIRST: tl.constexpr,
     ):
-        if tl.program_id(0) * BLOCK_M >= tl.load(used_rows_ptr):
+        # The launch order: by default a row block's column programs run side by
+        # side (see ``latent_moe``'s ``down_rows_first``).
+        if ROWS_FIRST:
+            block, column = tl.program_id(0), tl.program_id(1)
+        else:
+            block, column = tl.program_id(1), tl.program_id(0)
+        if block * BLOCK_M >= tl.load(used_rows_ptr):
             return  # past the used rows: no pair here
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = column * BLOCK_N + tl.arange(0, BLOCK_N)
         m, pair, valid, token, expert = _block_rows(
-            rows_ptr, block_expert_ptr, top_k, BLOCK_M
+            rows_ptr, block_expert_ptr, block, top_k, BLOCK_M
         )
         n_mask = n < latent
         if SWAP_AB:
@@ -597,11 +613,10 @@ if triton is not None:
                 other=0.0,
             )
             w, w_scale = _load_weight_tile(
-                w_ptr, s_ptr, expert, n, k, k0,
-                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask,
-                h_ptr.dtype.element_ty, FMT, FP8_HALF,
+                w_ptr, s_ptr, expert, n, k, k0, inner,
+                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask, FMT,
             )  # fmt: skip
-            acc = _accumulate(acc, h, w, w_scale, FMT, SWAP_AB, IMPRECISE)
+            acc = _accumulate(acc, h, w, w_scale, FMT, SWAP_AB, IMPRECISE, X_FORMAT)
         if SWAP_AB:
             acc = tl.trans(acc)
         if FMT == 0:
@@ -680,6 +695,24 @@ def _unsupported(z: torch.Tensor, experts: ExpertWeights) -> str | None:
     return triton_blocker(z.device)
 
 
+def _check_block_k(fmt: str, block_k: int) -> None:
+    """A K tile holds one scale of block-scaled FP8 (it divides the 128-wide
+    block) and whole MXFP4 scale groups (a multiple of 32)."""
+    span = SCALE_SPAN.get(fmt)
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k {block_k}: a power of two ≥ 16")
+    if fmt == "fp8-block" and span % block_k:
+        raise ValueError(
+            f"block_k {block_k} must divide the {span}-wide scale block "
+            "(one scale per K tile)"
+        )
+    if fmt == "mxfp4" and block_k % span:
+        raise ValueError(
+            f"block_k {block_k} must be a multiple of the {span}-wide MXFP4 scale "
+            "group (whole groups a K tile)"
+        )
+
+
 def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
     """``(block_m, block_n, block_k)`` of the two GEMMs, from sweeps and benchmark
     runs on an H200 of K3's 112 experts a device, top-16, latent 3584, inner 3072
@@ -693,14 +726,9 @@ def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
     128 rows and 4 warps spills 80 bytes on sm90, so 64 it is until a sweep says
     otherwise. Block scales took 16.2 ms at 128 against 10.0 at 64. 128-wide tiles
     for one token measured 7% faster in the sweep and 6% slower in the benchmark
-    run after it: not taken. MXFP4: 64 x 32 tiles. At 128 x 32 (1.7x to 6.4x
-    faster than 32 x 32 in the first sweep, when gate and up were two dots of
-    block_n each) the one 256-wide gate/up dot spills 392 bytes on sm90; at 64 it
-    is 128 wide, as each of the two was then, and spills none (the down GEMM's
-    tile halves with it). Untimed since."""
+    run after it: not taken. MXFP4 takes the FP8 tiles (untimed): its K tile of
+    128 covers four scale groups."""
     block_m = 64 if tokens >= 256 else 16
-    if fmt == "mxfp4":
-        return block_m, 64, 32
     return block_m, 64, 128
 
 
@@ -720,6 +748,7 @@ def latent_moe(
     num_stages: int | None = None,
     swap_ab: bool | None = None,
     imprecise_products: int | str = "k-tile",
+    down_rows_first: bool = False,
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
     the reference). Both leave out pairs routed outside ``[0, E)``: another rank's
@@ -733,18 +762,20 @@ def latent_moe(
     ``fused_moe``). On an H200 at K3's shapes (``compare_variants.py``,
     ``benchmarks/results/variants_h200.txt``) a K tile's (128) leaves the gate/up
     output 1.9e-4 of its largest from exact, "never" 3.1e-3; exact sums cost
-    23% at one token and 45% at 4,096 over a K tile's, "never" saves up to 17%."""
+    23% at one token and 45% at 4,096 over a K tile's, "never" saves up to 17%;
+    MXFP4 weights take no narrow accumulator (see the module's text).
+    ``down_rows_first``: the down GEMM's programs in the gate/up GEMM's order, row
+    blocks first. Each column block then sweeps every row block, so once the FP8
+    intermediate outgrows the L2 it is read from HBM once per column block (4,096
+    tokens: 201 MB, 56 times, 11 GB against the weights' 1.2 GB); by default a
+    row block's column programs run side by side and share its rows in the L2,
+    and consecutive row blocks (one expert's) share that expert's weights."""
     tiles = default_tiles(experts.fmt, z.shape[0])
     block_m, block_n, block_k = (
         given or default
         for given, default in zip((block_m, block_n, block_k), tiles, strict=True)
     )
-    scale_span = SCALE_SPAN.get(experts.fmt)
-    if block_k < 16 or block_k & (block_k - 1) or (scale_span and scale_span % block_k):
-        raise ValueError(
-            f"block_k {block_k}: a power of two ≥ 16 that divides the {experts.fmt} "
-            f"scale block of {scale_span} (one scale per K tile)"
-        )
+    _check_block_k(experts.fmt, block_k)
     dtype = activation_dtype(experts, fp8_dtype)
     if experts.fmt == "mxfp4" and (z.shape[1] % 32 or experts.w2.shape[2] % 16):
         raise ValueError(
@@ -786,6 +817,7 @@ def latent_moe(
         "num_warps": num_warps,
         "SWAP_AB": swap_ab,
         "IMPRECISE": imprecise,
+        "X_FORMAT": "e4m3" if dtype == torch.float8_e4m3fn else "bf16",
     }
     if num_stages is not None:  # else Triton's default for the platform
         launch["num_stages"] = num_stages
@@ -795,7 +827,7 @@ def latent_moe(
         z_q, z_scale, rows, block_expert, used_rows, w13, s13, h, top_k, latent, inner,
         z_q.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         h.stride(0), beta, linear_beta,
-        FMT=fmt, FP8_HALF=E4M3_HALF[dtype], BLOCK_M=block_m, BLOCK_N=block_n,
+        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k,
         **launch,
     )  # fmt: skip
@@ -803,13 +835,15 @@ def latent_moe(
     w2, s2 = experts.w2, experts.w2_scale
     routing = weights.reshape(-1).float().contiguous()
     grid = (rows.numel() // block_m, triton.cdiv(latent, block_n))
+    if not down_rows_first:
+        grid = grid[::-1]
     _down_combine[grid](
         h_q, h_scale, rows, block_expert, used_rows, w2, s2, routing, out, top_k,
         latent, inner,
         h_q.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0),
-        FMT=fmt, FP8_HALF=E4M3_HALF[dtype], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, ROWS_FIRST=down_rows_first,
         **launch,
     )  # fmt: skip
     return out

@@ -96,11 +96,16 @@ PTX_CLASSES = {
     "ldmatrix": r"ldmatrix\.",
     "mma": r"\b(?:mma|wgmma)\.",
 }
+# And in AMDGCN: matrix instructions, and those that take MX scales (gfx950).
+AMDGCN_CLASSES = {
+    "mfma": r"\bv_mfma_",
+    "scaled mfma": r"\bv_mfma_scale_",
+}
 
 
 def instruction_counts(compiled) -> dict[str, int]:
-    """The kernel's instructions (static, not executed): the total, and for NVIDIA
-    each of ``PTX_CLASSES``."""
+    """The kernel's instructions (static, not executed): the total, and each of
+    ``PTX_CLASSES`` (NVIDIA) or ``AMDGCN_CLASSES`` (AMD)."""
     if "ptx" in compiled.asm:
         text, comment = compiled.asm["ptx"], "//"
     else:
@@ -114,9 +119,9 @@ def instruction_counts(compiled) -> dict[str, int]:
         and not line.endswith(":")
     ]
     counts = {"total": len(body)}
-    if "ptx" in compiled.asm:
-        for name, pattern in PTX_CLASSES.items():
-            counts[name] = len(re.findall(pattern, text))
+    classes = PTX_CLASSES if "ptx" in compiled.asm else AMDGCN_CLASSES
+    for name, pattern in classes.items():
+        counts[name] = len(re.findall(pattern, text))
     return counts
 
 

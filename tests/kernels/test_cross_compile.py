@@ -115,3 +115,16 @@ def test_every_launch_compiles_for_the_target(target):
                 r["loop"] for r in results if r["launch"] == f"latent moe fp8: {kernel}"
             )
             assert decode["fp8 conversions"] == 0 < decode["mma"], (kernel, decode)
+
+    if target == "gfx950":
+        # MXFP4 weights reach the matrix cores packed, with their e8m0 scales
+        # (v_mfma_scale_*_f8f6f4, e4m3 activations x e2m1 weights): every matrix
+        # instruction of the two GEMMs is a scaled one, nothing decoded first.
+        for case in ("latent moe mxfp4", "latent moe mxfp4, 300 tokens"):
+            for kernel in ("_gate_up_situ", "_down_combine"):
+                counts = next(
+                    r["instructions"]
+                    for r in results
+                    if r["launch"] == f"{case}: {kernel}"
+                )
+                assert counts["scaled mfma"] == counts["mfma"] > 0, (case, counts)

@@ -135,6 +135,19 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_the_down_gemms_launch_order_leaves_the_output_as_it_is(fmt):
+    """Row blocks first or column blocks first (the default), the same sums: only
+    the order of the fp32 atomic adds into a token's row differs."""
+    z, ids, weights, w13, w2 = _case(33, 16, 4)
+    packed = BUILDERS[fmt](w13, w2)
+    exact = {"imprecise_products": 0}  # as the reference comparisons
+    by_columns = moe.latent_moe(z, ids, weights, packed, **exact)
+    by_rows = moe.latent_moe(z, ids, weights, packed, down_rows_first=True, **exact)
+    assert _close(by_rows, by_columns, 1e-6)
+    assert _agrees(by_columns, moe.latent_moe_reference(z, ids, weights, packed))
+
+
 def _gate_up_by_pair(monkeypatch, *args, **options) -> torch.Tensor:
     """The gate/up GEMM's SiTU output of ``latent_moe(*args, **options)``, a row a
     routed pair, in pair order (the kernel's row order varies with its atomics)."""
@@ -174,34 +187,52 @@ def test_the_default_accumulation_stays_within_its_bound(tokens, monkeypatch):
 FNUZ = torch.float8_e4m3fnuz
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    FP8_DTYPES_HERE,
-    ids=str,
-)
-def test_the_mxfp4_decode_gives_every_e2m1_value_exactly(dtype):
-    """Every byte (both nibbles, all 16 e2m1 codes each, negative zero included)
-    decodes in registers to the e4m3 value of ``mxfp4_decode`` (scale 2^0); -0
-    comes out as +0 (fnuz's 0x80 is NaN, which would fail the comparison)."""
+@pytest.mark.parametrize("swap_ab", [True, False], ids=["weights@x", "x@weights"])
+@pytest.mark.parametrize("dtype", FP8_DTYPES_HERE, ids=str)
+def test_the_mxfp4_dot_gives_every_e2m1_value_times_its_scale_exactly(dtype, swap_ab):
+    """The MXFP4 dot against identity activations returns each weight: every byte
+    (both nibbles, all 16 e2m1 codes each, negative zero included) times its e8m0
+    scale (2^-40 to 2^40, one per 32 columns), equal to ``mxfp4_decode``'s value
+    (each product is one e2m1 value times a power of two, exact in bf16 and in
+    fp32), in both orientations and with either FP8 as the activations' dtype."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def decode(w_ptr, s_ptr, out_ptr, HALF: tl.constexpr):
+    def weights_times_identity(
+        x_ptr, w_ptr, s_ptr, out_ptr, SWAP_AB: tl.constexpr, X_FORMAT: tl.constexpr
+    ):
         n = tl.arange(0, 16)
-        k = tl.arange(0, 32)
-        values, _ = moe._load_weight_tile(
-            w_ptr, s_ptr, 0, n, k, 0, 0, 16, 0, 1, n < 16, k < 32,
-            out_ptr.dtype.element_ty, 1, HALF,
-        )  # fmt: skip
-        tl.store(out_ptr + n[:, None] * 32 + k[None, :], values)
+        k = tl.arange(0, 64)
+        x = tl.load(x_ptr + k[:, None] * 64 + k[None, :])  # [64, 64] identity
+        w, s = moe._load_weight_tile(
+            w_ptr, s_ptr, 0, n, k, 0, 64, 0, 32, 0, 2, n < 16, k < 64, 1
+        )
+        if SWAP_AB:  # out^T = w @ x^T
+            acc = moe._accumulate(
+                tl.zeros((16, 64), tl.float32), x, w, s, 1, True, None, X_FORMAT
+            )
+            tl.store(out_ptr + n[:, None] * 64 + k[None, :], acc)
+        else:  # out = x @ w^T
+            acc = moe._accumulate(
+                tl.zeros((64, 16), tl.float32), x, w, s, 1, False, None, X_FORMAT
+            )
+            tl.store(out_ptr + k[:, None] + n[None, :] * 64, acc)
 
-    packed = torch.arange(256, dtype=torch.uint8).view(16, 16)
-    scale = torch.full((16, 1), 127, dtype=torch.uint8)
-    out = torch.empty(16, 32, dtype=dtype, device=DEVICE)
-    decode[(1,)](packed.to(DEVICE), scale.to(DEVICE), out, HALF=moe.E4M3_HALF[dtype])
+    packed = torch.arange(512).remainder(256).to(torch.uint8).view(16, 32)
+    scale = (127 + torch.arange(-40, 40, 2.5).round()).to(torch.uint8).view(16, 2)
+    identity = torch.eye(64).to(dtype)
+    out = torch.empty(16, 64, device=DEVICE)
+    weights_times_identity[(1,)](
+        identity.to(DEVICE),
+        packed.to(DEVICE),
+        scale.to(DEVICE),
+        out,
+        SWAP_AB=swap_ab,
+        X_FORMAT="e4m3" if dtype == torch.float8_e4m3fn else "bf16",
+    )
     want = ref_mxfp4_decode(packed, scale)
-    assert torch.equal(out.cpu().float(), want)
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.parametrize(
