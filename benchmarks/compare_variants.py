@@ -2,11 +2,11 @@
 ``bench_kernels.py`` times them, at K3's shapes, with vLLM's kernels for the same
 job in the same process:
 
-- MLA decode (FP8 cache, bf16 queries, 16 heads, 64-token pages): fp16 (the
-  default) and fp16-pairs dots, each with the latent whole (the default) and in
-  halves; vLLM's
-  ``decode_attention_fwd``; each row's HBM fraction, and how far fp16-pairs'
-  output is from fp16's.
+- MLA decode (FP8 cache, bf16 queries, 16 heads, 64-token pages): the default
+  (fp16 dots, 4 warps), fp16-pairs dots, 8 warps, and each tile's reads issued an
+  iteration early (``prefetch``) at 8 warps (its default) and 4; vLLM's
+  ``decode_attention_fwd``; each row's HBM fraction, and how far each variant's
+  output is from the default's.
 - Latent MoE, FP8 per-channel weights (112 experts, top-16, latent 3584, inner
   3072): exact sums (``imprecise_products=0``); the default (Hopper's narrow FP8
   accumulation over each K tile, the down GEMM's column blocks first); the down
@@ -58,9 +58,10 @@ def compare_mla(device) -> None:
         cells, outputs = [], {}
         for label, options in (
             ("fp16", {}),
-            ("fp16 halves", {"latent_halves": True}),
             ("fp16-pairs", {"dots": "fp16-pairs"}),
-            ("fp16-pairs halves", {"dots": "fp16-pairs", "latent_halves": True}),
+            ("w8", {"num_warps": 8}),
+            ("prefetch", {"prefetch": True}),  # 8 warps on NVIDIA
+            ("prefetch w4", {"prefetch": True, "num_warps": 4}),
         ):
             run = functools.partial(
                 mla.mla_decode, q, cache, table, lens, max_seq_len=context, **options

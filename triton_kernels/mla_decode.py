@@ -198,6 +198,46 @@ if triton is not None:
         return keys
 
     @triton.jit
+    def _tile_rows(
+        cache_ptr,
+        block_table_ptr,
+        b,
+        stride_bt,
+        stride_cp,
+        stride_cs,
+        tile,
+        end,
+        page_size: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PAGE_TILES: tl.constexpr,
+    ):
+        """The cache row of each token of the tile starting at ``tile``, and which
+        of them are before ``end`` (none when ``tile >= end``: nothing is read)."""
+        n = tile + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        if PAGE_TILES:
+            # The tile lies in one page: one block-table read, and the tile's
+            # tokens are consecutive rows of that page.
+            page = tl.load(
+                block_table_ptr + b * stride_bt + tile // page_size,
+                mask=tile < end,
+                other=0,
+            )
+            token_base = (
+                cache_ptr
+                + page.to(tl.int64) * stride_cp
+                + ((tile % page_size) + tl.arange(0, BLOCK_N)) * stride_cs
+            )
+        else:
+            page = tl.load(
+                block_table_ptr + b * stride_bt + n // page_size, mask=n_mask, other=0
+            )
+            token_base = (
+                cache_ptr + page.to(tl.int64) * stride_cp + (n % page_size) * stride_cs
+            )
+        return token_base, n_mask
+
+    @triton.jit
     def _dot(a, b, DOTS: tl.constexpr, INTERPRETED: tl.constexpr):
         """``a @ b`` into fp32. ``DOTS`` 1: every operand value is exact in bf16, and
         on a GPU the dot runs on bf16 tensor cores; 2: the operands are rounded to
@@ -248,6 +288,7 @@ if triton is not None:
         PAIR_SCALE: tl.constexpr,
         HARDWARE_CVT: tl.constexpr,
         PARTS: tl.constexpr,
+        PREFETCH: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
         row = tl.program_id(0)  # b * rows + r
@@ -307,32 +348,39 @@ if triton is not None:
         denom = tl.zeros((BLOCK_H,), tl.float32)
         acc_lo = tl.zeros((BLOCK_H, DH), tl.float32)
         acc_hi = tl.zeros((BLOCK_H, DH if PARTS == 2 else 16), tl.float32)
+        if PREFETCH:
+            token_base, mask_next = _tile_rows(
+                cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
+                start, end, page_size, BLOCK_N, PAGE_TILES,
+            )  # fmt: skip
+            lo_next = _load_keys(token_base, 0, DH, mask_next, BLOCK_N, DOTS, False)
+            pe_next = _load_keys(token_base, DV, DPE, mask_next, BLOCK_N, DOTS, False)
         for tile in range(start, end, BLOCK_N):
-            n = tile + tl.arange(0, BLOCK_N)
-            n_mask = n < end
-            if PAGE_TILES:
-                # The tile lies in one page: one block-table read, and the tile's
-                # tokens are consecutive rows of that page.
-                page = tl.load(block_table_ptr + b * stride_bt + tile // page_size)
-                token_base = (
-                    cache_ptr
-                    + page.to(tl.int64) * stride_cp
-                    + ((tile % page_size) + tl.arange(0, BLOCK_N)) * stride_cs
+            if PREFETCH:
+                # This tile's keys were loaded an iteration ago; the next tile's
+                # loads go out now, ahead of this tile's dots.
+                k_lo, k_pe, n_mask = lo_next, pe_next, mask_next
+                token_base, mask_next = _tile_rows(
+                    cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
+                    tile + BLOCK_N, end, page_size, BLOCK_N, PAGE_TILES,
+                )  # fmt: skip
+                lo_next = _load_keys(token_base, 0, DH, mask_next, BLOCK_N, DOTS, False)
+                pe_next = _load_keys(
+                    token_base, DV, DPE, mask_next, BLOCK_N, DOTS, False
                 )
             else:
-                page = tl.load(
-                    block_table_ptr + b * stride_bt + n // page_size,
-                    mask=n_mask,
-                    other=0,
+                token_base, n_mask = _tile_rows(
+                    cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
+                    tile, end, page_size, BLOCK_N, PAGE_TILES,
+                )  # fmt: skip
+                # Stored values, unscaled: the layer's scale goes on scores and
+                # output.
+                k_lo = _load_keys(
+                    token_base, 0, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT
                 )
-                token_base = (
-                    cache_ptr
-                    + page.to(tl.int64) * stride_cp
-                    + (n % page_size) * stride_cs
+                k_pe = _load_keys(
+                    token_base, DV, DPE, n_mask, BLOCK_N, DOTS, HARDWARE_CVT
                 )
-            # Stored values, unscaled: the layer's scale goes on scores and output.
-            k_lo = _load_keys(token_base, 0, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
-            k_pe = _load_keys(token_base, DV, DPE, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
             scores = _dot(q_lo, tl.trans(k_lo), DOTS, INTERPRETED)
             if PARTS == 2:
                 k_hi = _load_keys(
@@ -544,6 +592,7 @@ def mla_decode(
     dots: str | None = None,
     max_registers: int | None = None,
     latent_halves: bool = False,
+    prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; the Triton kernels where they apply, else the reference with
     a one-time log line naming why. ``max_seq_len`` (a host int, at least
@@ -553,7 +602,13 @@ def mla_decode(
     ``dot_format``'s; an FP8 cache under a bf16 query also takes ``"bf16"`` (its
     values are exact there too), and any pair ``"fp32"``. ``max_registers``: a
     cap on the partial kernel's registers a thread (NVIDIA only; ptxas spills
-    what does not fit), for more programs a multiprocessor."""
+    what does not fit), for more programs a multiprocessor. ``prefetch``: each
+    iteration issues the next tile's cache reads (and its block-table read)
+    before this tile's dots, so their latency overlaps the dots instead of
+    preceding them (Triton's pipeliner stages only loads that reach a dot
+    unconverted; the FP8 tile is converted on the way); latent whole only, not
+    with fp16-pairs dots; 8 warps on NVIDIA unless given (at 4 the second tile
+    spills). Untimed on a GPU."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(192)
     # A dot format the pair cannot take is refused on either path.
@@ -568,6 +623,10 @@ def mla_decode(
         x % 2 for x in (cache.storage_offset(), cache.stride(0), cache.stride(1))
     ):
         raise ValueError("fp16-pairs dots read the cache as 16-bit words: unaligned")
+    if prefetch and (latent_halves or dots == "fp16-pairs"):
+        raise ValueError(
+            "prefetch takes the latent whole, in dots other than fp16-pairs"
+        )
     if max_registers is not None and runtime.on_rocm():
         raise ValueError("max_registers caps NVIDIA registers (ptxas maxnreg); not AMD")
     reason = reference_because or _unsupported(q, cache, value_dim)
@@ -653,11 +712,13 @@ def mla_decode(
             else 2.0 ** (15 - E4M3_EXPONENT_BIAS.get(cache.dtype, 7)),
             HARDWARE_CVT=hardware_cvt,
             PARTS=2 if latent_halves else 1,
+            PREFETCH=prefetch,
             INTERPRETED=interpreted(),
             # fp32 dots hold twice the registers: at 4 warps they spill 11 KB on
-            # sm90 and ptxas takes minutes over them.
+            # sm90 and ptxas takes minutes over them; prefetch holds a second
+            # tile: 376 bytes spilled at 4 warps, none at 8.
             num_warps=num_warps
-            or platform_warps(nvidia=8 if dots == "fp32" else 4, amd=4),
+            or platform_warps(nvidia=8 if dots == "fp32" or prefetch else 4, amd=4),
             num_stages=num_stages or DEFAULT_STAGES,
             **({} if max_registers is None else {"maxnreg": max_registers}),
         )

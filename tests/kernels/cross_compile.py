@@ -220,7 +220,7 @@ def _cases(fp8: torch.dtype):
     from vllm_k3_plugin.model import reference as ref
     from vllm_k3_plugin.model.kda_chunk import chunk_terms
 
-    def mla(q_dtype, cache_dtype, dots=None):
+    def mla(q_dtype, cache_dtype, dots=None, **options):
         def call():
             q = torch.randn(2, 2, 16, 576).to(q_dtype)
             # 64-token pages: the tile is the default 32 tokens, within a page.
@@ -228,7 +228,14 @@ def _cases(fp8: torch.dtype):
             table = torch.arange(4, dtype=torch.int32).view(2, 2)
             lens = torch.tensor([20, 100], dtype=torch.int32)
             mla_decode.mla_decode(
-                q, cache, table, lens, max_seq_len=100, num_splits=2, dots=dots
+                q,
+                cache,
+                table,
+                lens,
+                max_seq_len=100,
+                num_splits=2,
+                dots=dots,
+                **options,
             )
 
         return call
@@ -284,6 +291,11 @@ def _cases(fp8: torch.dtype):
             "mla fp8 cache, bf16 q, fp16-pairs",
             mla_decode,
             mla(torch.bfloat16, fp8, "fp16-pairs"),
+        ),
+        (
+            "mla fp8 cache, bf16 q, prefetch",
+            mla_decode,
+            mla(torch.bfloat16, fp8, prefetch=True),
         ),
         ("latent moe fp8", latent_moe, moe("fp8")),
         ("latent moe fp8-block", latent_moe, moe("fp8-block")),

@@ -35,6 +35,10 @@ LAUNCHES = {
             "_mla_decode_partial",
             "_mla_decode_merge",
         ),
+        "mla fp8 cache, bf16 q, prefetch": (
+            "_mla_decode_partial",
+            "_mla_decode_merge",
+        ),
         "latent moe fp8": MOE_KERNELS,
         "latent moe fp8-block": MOE_KERNELS,
         "latent moe mxfp4": MOE_KERNELS,

@@ -72,17 +72,20 @@ def test_decode_matches_reference(dtype, lens, heads, page_size):
     _compare(q, cache, table, seq_lens, kv_scale=0.25)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize(
     ("page_size", "block_n"),
     [(16, 32), (16, 64), (48, 16), (64, 64), (64, 16)],
 )
-def test_tiles_within_a_page_and_across_pages(page_size, block_n):
+def test_tiles_within_a_page_and_across_pages(page_size, block_n, prefetch):
     """A tile inside one page reads the block table once; a tile longer than a
-    page, or a page not a multiple of the tile, reads it per token."""
+    page, or a page not a multiple of the tile, reads it per token. With
+    ``prefetch`` each tile's reads go out an iteration early, the last one's
+    past the split's end reading nothing."""
     q, cache, table, lens = _setup(
         [130, 64, 1], heads=16, rows=2, page_size=page_size, dtype=FP8[0]
     )
-    _compare(q, cache, table, lens, block_n=block_n, num_splits=3)
+    _compare(q, cache, table, lens, block_n=block_n, num_splits=3, prefetch=prefetch)
 
 
 def test_one_split_is_written_in_place_without_the_merge(monkeypatch):
@@ -429,6 +432,7 @@ def test_a_register_cap_is_an_nvidia_setting(monkeypatch):
         kernel.mla_decode(q, cache, table, lens, max_registers=168)
 
 
+@pytest.mark.parametrize("option", ["latent_halves", "prefetch"])
 @pytest.mark.parametrize(
     ("cache_dtype", "dots", "bound"),
     [
@@ -438,18 +442,25 @@ def test_a_register_cap_is_an_nvidia_setting(monkeypatch):
         (FP8[0], "fp32", 0.0),
     ],
 )
-def test_the_latent_in_halves_keeps_each_formats_bound(cache_dtype, dots, bound):
+def test_each_option_keeps_each_formats_bound(cache_dtype, dots, bound, option):
     """``latent_halves`` (off by default: slower on an H200) splits each dot's
-    latent in two; it holds each dot format's bound against the reference (the
-    weights' rounding times the largest value, plus fp32 summation order), across
-    pages, splits and speculative rows."""
+    latent in two; ``prefetch`` (untimed) loads each tile an iteration early.
+    Each holds each dot format's bound against the reference (the weights'
+    rounding times the largest value, plus fp32 summation order), across pages,
+    splits and speculative rows; prefetch refuses fp16-pairs dots and the
+    halves."""
     q, cache, table, lens = _setup(
         [70, 33, 1], heads=16, rows=3, page_size=16, dtype=cache_dtype, kv_scale=0.5
     )
     q = q.float() if dots == "fp32" else q.to(torch.bfloat16)
-    out, lse = kernel.mla_decode(
-        q, cache, table, lens, kv_scale=0.5, dots=dots, latent_halves=True
-    )
+    launch = {"kv_scale": 0.5, "dots": dots, option: True}
+    if option == "prefetch" and dots == "fp16-pairs":
+        with pytest.raises(ValueError, match="prefetch"):
+            kernel.mla_decode(q, cache, table, lens, **launch)
+        with pytest.raises(ValueError, match="prefetch"):
+            kernel.mla_decode(q, cache, table, lens, prefetch=True, latent_halves=True)
+        return
+    out, lse = kernel.mla_decode(q, cache, table, lens, **launch)
     ref_out, ref_lse = kernel.mla_decode_reference(
         q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=0.5
     )
