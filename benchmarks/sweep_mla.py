@@ -4,11 +4,11 @@ queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 
 1. Tile, pipeline, warps and dot operands: ``block_n`` x warps 32 x 4, 32 x 8
    and 64 x 8 (64 x 4 was the slowest in both runs before), ``num_stages`` 2/3,
-   fp16 (the default) or fp16-pairs dots (bf16 measured 1.1-1.3x slower than
-   fp16 in the runs before; a 168-register cap, 3 programs a multiprocessor,
-   made fp16-pairs 2-4% slower: ``results/variants_h200.txt``), each at the
-   default split count and at 1.5x and 2x of it, over four batch x context
-   shapes. Prints every configuration's time per shape.
+   fp16 (the default), fp16-pairs dots or ``prefetch`` (bf16 measured 1.1-1.3x
+   slower than fp16 in the runs before; a 168-register cap, 3 programs a
+   multiprocessor, made fp16-pairs 2-4% slower: ``results/variants_h200.txt``),
+   each at the default split count for its warps and at 1.5x and 2x of it, over
+   four batch x context shapes. Prints every configuration's time per shape.
 2. Split counts: for the fastest configuration of part 1, split counts from 1 to 3
    per multiprocessor on each shape, against ``default_num_splits``.
 
@@ -52,34 +52,46 @@ def main() -> None:
     hbm = {
         shape: shape[0] * shape[1] * WIDTH for shape in SHAPES
     }  # the FP8 cache bytes
-    defaults = {
-        shape: k.default_num_splits(shape[1], shape[0], device) for shape in SHAPES
-    }
+
+    def default_splits(warps: int) -> dict:
+        return {
+            shape: k.default_num_splits(shape[1], shape[0], device, warps)
+            for shape in SHAPES
+        }
+
+    defaults = default_splits(4)
     print("defaults (splits):", {f"B={b} ctx={c}": s for (b, c), s in defaults.items()})
     results = []
+    variants = {
+        "fp16": {},
+        "fp16-pairs": {"dots": "fp16-pairs"},
+        "prefetch": {"prefetch": True},
+    }
     configs = [
-        (block_n, stages, warps, dots)
-        for (block_n, warps), stages, dots in itertools.product(
-            ((32, 4), (32, 8), (64, 8)), (2, 3), ("fp16", "fp16-pairs")
+        (block_n, stages, warps, variant)
+        for (block_n, warps), stages, variant in itertools.product(
+            ((32, 4), (32, 8), (64, 8)), (2, 3), variants
         )
     ]
-    for block_n, stages, warps, dots in configs:
+    for block_n, stages, warps, variant in configs:
         line = []
         total = 0.0
+        splits = default_splits(warps)
         for shape, (q, cache, table, lens) in cases.items():
             best = None
             for factor in (1, 1.5, 2):
                 run = functools.partial(
                     k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
-                    num_splits=max(1, round(defaults[shape] * factor)),
+                    num_splits=max(1, round(splits[shape] * factor)),
                     block_n=block_n, num_stages=stages, num_warps=warps,
-                    dots=dots,
+                    **variants[variant],
                 )  # fmt: skip
                 try:
                     us = microseconds(run)
                 except Exception as error:  # out of resources: report, go on
                     print(
-                        f"bn{block_n} s{stages} w{warps} {dots}: {type(error).__name__}"
+                        f"bn{block_n} s{stages} w{warps} {variant}: "
+                        f"{type(error).__name__}"
                     )
                     us = math.inf
                 if best is None or us < best[0]:
@@ -89,12 +101,13 @@ def main() -> None:
             line.append(
                 f"B={shape[0]} ctx={shape[1]} {best[0]:.0f}us x{best[1]} {tbs:.2f}TB/s"
             )
-        label = f"bn{block_n} stages{stages} warps{warps} {dots}"
-        results.append((total, label, (block_n, stages, warps, dots)))
+        label = f"bn{block_n} stages{stages} warps{warps} {variant}"
+        results.append((total, label, (block_n, stages, warps, variant)))
         print(f"{label}: " + "; ".join(line), flush=True)
     results.sort(key=lambda result: result[0])
-    _, label, (block_n, stages, warps, dots) = results[0]
+    _, label, (block_n, stages, warps, variant) = results[0]
     print(f"fastest: {label}", flush=True)
+    defaults = default_splits(warps)
     for shape, (q, cache, table, lens) in cases.items():
         most = min(3 * sms, math.ceil(shape[1] / k.MIN_SPLIT_TOKENS))
         counts = sorted({1, 2, 4, 8, 16, 64, sms, 2 * sms, 3 * sms, defaults[shape]})
@@ -103,7 +116,7 @@ def main() -> None:
             run = functools.partial(
                 k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
                 num_splits=splits, block_n=block_n, num_stages=stages,
-                num_warps=warps, dots=dots,
+                num_warps=warps, **variants[variant],
             )  # fmt: skip
             timings.append((microseconds(run), splits))
         default_us = dict((s, t) for t, s in timings).get(defaults[shape])

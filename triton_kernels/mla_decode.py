@@ -503,9 +503,11 @@ def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | 
 
 
 MIN_SPLIT_TOKENS = 256
-# Programs a multiprocessor keeps busy at once: at 4 warps (NVIDIA) two run side by
-# side, and the kernel needs both in flight to hide the cache reads' latency.
-PROGRAMS_PER_MULTIPROCESSOR = 2
+# Warps of the partial kernel a multiprocessor keeps busy at once: at about 255
+# registers a thread (4 warps, and prefetch at 8), 64K registers hold 8 warps: two
+# programs of 4 side by side, which the kernel needs in flight to hide the cache
+# reads' latency, or one of 8.
+WARPS_PER_MULTIPROCESSOR = 8
 
 
 @functools.cache
@@ -513,10 +515,12 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_num_splits(longest: int, programs_per_split: int, device) -> int:
+def default_num_splits(
+    longest: int, programs_per_split: int, device, num_warps: int = 4
+) -> int:
     """KV splits of a decode batch on a GPU: as many as keep every program in one
-    wave of ``PROGRAMS_PER_MULTIPROCESSOR`` a multiprocessor (a second, partial wave
-    costs nearly a whole one), each split at least ``MIN_SPLIT_TOKENS`` of the
+    wave of ``WARPS_PER_MULTIPROCESSOR`` warps a multiprocessor (a second, partial
+    wave costs nearly a whole one), each split at least ``MIN_SPLIT_TOKENS`` of the
     longest sequence. Off a GPU, up to 16.
 
     Measured on an H200 (``benchmarks/sweep_mla.py``, 16 heads, 4 warps, 2 stages;
@@ -526,7 +530,8 @@ def default_num_splits(longest: int, programs_per_split: int, device) -> int:
     most = max(1, math.ceil(longest / MIN_SPLIT_TOKENS))
     if device.type != "cuda":
         return min(16, most)
-    slots = PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(device)
+    programs = max(1, WARPS_PER_MULTIPROCESSOR // num_warps)
+    slots = programs * _multiprocessors(device)
     return max(1, min(most, slots // max(1, programs_per_split)))
 
 
@@ -650,9 +655,15 @@ def mla_decode(
         longest = max_seq_len
     else:
         longest = int(seq_lens.max()) if batch else 0
+    # fp32 dots hold twice the registers: at 4 warps they spill 11 KB on sm90 and
+    # ptxas takes minutes over them; prefetch holds a second tile: 376 bytes
+    # spilled at 4 warps, none at 8.
+    num_warps = num_warps or platform_warps(
+        nvidia=8 if dots == "fp32" or prefetch else 4, amd=4
+    )
     if num_splits is None:
         num_splits = default_num_splits(
-            longest, batch * rows * triton.cdiv(heads, block_h), q.device
+            longest, batch * rows * triton.cdiv(heads, block_h), q.device, num_warps
         )
     # No split shorter than one tile.
     num_splits = max(1, min(num_splits, math.ceil(max(longest, 1) / block_n)))
@@ -714,11 +725,7 @@ def mla_decode(
             PARTS=2 if latent_halves else 1,
             PREFETCH=prefetch,
             INTERPRETED=interpreted(),
-            # fp32 dots hold twice the registers: at 4 warps they spill 11 KB on
-            # sm90 and ptxas takes minutes over them; prefetch holds a second
-            # tile: 376 bytes spilled at 4 warps, none at 8.
-            num_warps=num_warps
-            or platform_warps(nvidia=8 if dots == "fp32" or prefetch else 4, amd=4),
+            num_warps=num_warps,
             num_stages=num_stages or DEFAULT_STAGES,
             **({} if max_registers is None else {"maxnreg": max_registers}),
         )

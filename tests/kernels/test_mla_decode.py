@@ -395,10 +395,11 @@ def test_the_weight_rounding_bound_is_reached(cache_dtype, weight, bound, dots):
     assert bound / 2 < error <= bound
 
 
-def test_the_default_split_count_fills_one_wave_of_two_programs_a_multiprocessor(
+def test_the_default_split_count_fills_one_wave_of_eight_warps_a_multiprocessor(
     monkeypatch,
 ):
-    """On a GPU of 132 multiprocessors (an H200): at most 264 programs in all, the
+    """On a GPU of 132 multiprocessors (an H200), at 4 warps a program: at most 264
+    programs in all (132 at 8 warps), the
     counts the H200 sweep found fastest (one 128k sequence: 264 splits; 32
     sequences: 8 splits, where 9 were 1.5x slower; 128 sequences: 2, where 3 were
     1.15x slower); at least one split a sequence; no split under 256 tokens. Off a
@@ -411,6 +412,9 @@ def test_the_default_split_count_fills_one_wave_of_two_programs_a_multiprocessor
     assert kernel.default_num_splits(32768, 1024, gpu) == 1
     assert kernel.default_num_splits(600, 1, gpu) == 3  # 256-token splits at least
     assert kernel.default_num_splits(100, 1, gpu) == 1
+    # Programs of 8 warps (prefetch): one a multiprocessor.
+    assert kernel.default_num_splits(131072, 1, gpu, num_warps=8) == 132
+    assert kernel.default_num_splits(131072, 32, gpu, num_warps=8) == 4
     cpu = torch.device("cpu")
     assert kernel.default_num_splits(131072, 1, cpu) == 16
     assert kernel.default_num_splits(300, 1, cpu) == 2
