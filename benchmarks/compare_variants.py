@@ -11,7 +11,8 @@ job in the same process:
   3072): exact sums (``imprecise_products=0``); the default (Hopper's narrow FP8
   accumulation over each K tile, the down GEMM's column blocks first); the down
   GEMM's row blocks first (``down_rows_first``); never promoting (as vLLM's
-  ``fused_moe``); from 256 tokens 128-row blocks at 8 warps; vLLM's two GEMMs
+  ``fused_moe``); from 256 tokens 128-row blocks at 8 warps, and K tiles of 256
+  (a promotion every 256 products); vLLM's two GEMMs
   alone; each variant's gap to the exact sums' output, and of the gate/up GEMM's
   output alone. Then the same experts as MXFP4 (``tl.dot_scaled``) at the
   default tiles.
@@ -132,6 +133,8 @@ def compare_moe(device) -> None:
         ]
         if tokens >= 256:
             variants.append(("bm128 w8", {"block_m": 128, "num_warps": 8}))
+            # K tiles of 256: half the promotions into fp32 (one a tile).
+            variants.append(("bk256", {"block_k": 256}))
         variants.append(("mxfp4", {"experts": mxfp4}))
         for label, options in variants:
             experts = options.pop("experts", packed)
