@@ -111,6 +111,30 @@ def graph_microseconds(run) -> float:
     return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
 
 
+def kernel_microseconds(run, calls: int = 5) -> dict[str, float]:
+    """Device microseconds a call of ``run`` spends in each GPU kernel, by name, as
+    the PyTorch profiler records them over ``calls`` eager calls (after one to
+    compile), longest first: where a launcher's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as recorded:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in recorded.key_averages():
+        device_us = getattr(event, "device_time_total", None)
+        if device_us is None:  # older PyTorch
+            device_us = event.cuda_time_total
+        # Kernels only: an operator's device time is its kernels' again.
+        if device_us > 0 and event.count > 0 and not event.key.startswith("aten::"):
+            totals[event.key] = totals.get(event.key, 0.0) + device_us / calls
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
 def wall_timed(run, *, warmup: int, repeats: int, cuda: bool) -> float:
     """Median wall seconds of single calls, the launch included (what an eager
     scheduler step pays)."""

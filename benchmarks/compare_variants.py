@@ -16,6 +16,8 @@ job in the same process:
   alone; each variant's gap to the exact sums' output, and of the gate/up GEMM's
   output alone. Then the same experts as MXFP4 (``tl.dot_scaled``) at the
   default tiles.
+- For the defaults (and MLA's prefetch), each kernel's share of a call's device
+  time, from the PyTorch profiler.
 
     python benchmarks/compare_variants.py   # on a GPU; about 2 minutes
 
@@ -30,7 +32,7 @@ import math
 import time
 
 import torch
-from bench_kernels import _vllm_mla
+from bench_kernels import _vllm_mla, kernel_microseconds
 from bench_kernels import graph_microseconds as microseconds
 
 from k3_triton_kernels import latent_moe as moe
@@ -83,7 +85,24 @@ def compare_mla(device) -> None:
             if label != "fp16" and "fp16" in outputs:
                 cells.append(f"{label} gap {gap(out, outputs['fp16']):.1e}")
         print(f"MLA B={batch} ctx={context}: " + "; ".join(cells), flush=True)
+        for label, options in (("default", {}), ("prefetch", {"prefetch": True})):
+            run = functools.partial(
+                mla.mla_decode, q, cache, table, lens, max_seq_len=context, **options
+            )
+            print(
+                f"MLA B={batch} ctx={context} {label}, by kernel: {breakdown(run)}",
+                flush=True,
+            )
         del cache
+
+
+def breakdown(run) -> str:
+    """Where one call's device time goes, kernel by kernel (profiled, eager)."""
+    try:
+        by_kernel = kernel_microseconds(run)
+    except Exception as error:  # a profiler that does not run is reported
+        return f"profiler failed ({error!r:.80})"
+    return ", ".join(f"{name[:40]} {us:.1f}us" for name, us in by_kernel.items())
 
 
 def output_and_gate_up(run) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +183,14 @@ def compare_moe(device) -> None:
                     f"gate/up {gap(intermediates[label], intermediates['exact']):.1e}"
                 )
         print(f"MoE T={tokens}: " + "; ".join(cells), flush=True)
+        for label, experts in (("fp8", packed), ("mxfp4", mxfp4)):
+            print(
+                f"MoE T={tokens} {label} default, by kernel: "
+                + breakdown(
+                    functools.partial(moe.latent_moe, z, ids, weights, experts)
+                ),
+                flush=True,
+            )
 
 
 def main() -> None:
