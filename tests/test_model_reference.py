@@ -68,6 +68,16 @@ def test_mxfp4_decode_matches_the_bit_layout():
     assert torch.equal(got, _decode_directly(packed, scale))
 
 
+def test_an_mxfp4_scale_byte_of_255_is_nan():
+    """OCP MX: the e8m0 byte 255 is NaN, and so is each value it scales (zero
+    nibbles too); a finite scale keeps them finite."""
+    packed = torch.tensor([[0x00, 0x71] + [0x22] * 14], dtype=torch.uint8)
+    got = ref.mxfp4_decode(packed, torch.tensor([[255]], dtype=torch.uint8))
+    assert got.isnan().all()
+    got = ref.mxfp4_decode(packed, torch.tensor([[200]], dtype=torch.uint8))
+    assert got.isfinite().all()
+
+
 def test_mxfp4_encode_round_trips_representable_weights():
     packed = torch.randint(0, 256, (8, 64), dtype=torch.uint8)
     # Each block's peak must be 6.0 x its scale for the encoder to choose that scale.

@@ -37,7 +37,10 @@ groups. On gfx950 (MI355X) that is the matrix cores' own scaled MFMA (e4m3 x
 e2m1, ``v_mfma_scale_f32_*_f8f6f4``); on Hopper and gfx94x Triton decodes both
 to bf16 in registers and runs a bf16 MMA. Either way each product (an FP8 value
 times an e2m1 value times a power of two) is exact in fp32 and the sums are
-fp32, as the reference computes. Decoding to e4m3 instead (every e2m1 value is
+fp32, as the reference computes; a scale byte of 255 is NaN on both sides (OCP
+MX). One difference: the bf16 path builds each scale from the byte's exponent
+bits, so byte 0 (2^-127) scales its 32 values (at most 6 · 2^-127) to 0. Decoding
+to e4m3 instead (every e2m1 value is
 exact there, but a value times its scale is not) needs a rescale of the
 accumulator at every 32-wide scale group: 9-13x slower than FP8 weights on an
 H200 (``benchmarks/results/kernels_h200.md``).
@@ -695,6 +698,21 @@ def _unsupported(z: torch.Tensor, experts: ExpertWeights) -> str | None:
     return triton_blocker(z.device)
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the first: 2^31 - 1)
+
+
+def down_grid(
+    row_blocks: int, column_blocks: int, rows_first: bool
+) -> tuple[tuple[int, int], bool]:
+    """The down GEMM's grid and whether its row blocks come first: column blocks
+    first unless asked, or unless the row blocks outnumber what the grid's second
+    axis holds."""
+    rows_first = rows_first or row_blocks > MAX_GRID_Y
+    if rows_first:
+        return (row_blocks, column_blocks), True
+    return (column_blocks, row_blocks), False
+
+
 def _check_block_k(fmt: str, block_k: int) -> None:
     """A K tile holds one scale of block-scaled FP8 (it divides the 128-wide
     block) and whole MXFP4 scale groups (a multiple of 32)."""
@@ -834,9 +852,9 @@ def latent_moe(
     h_q, h_scale = quantize_rows(h, dtype, rows=rows, used_rows=used_rows)
     w2, s2 = experts.w2, experts.w2_scale
     routing = weights.reshape(-1).float().contiguous()
-    grid = (rows.numel() // block_m, triton.cdiv(latent, block_n))
-    if not down_rows_first:
-        grid = grid[::-1]
+    grid, down_rows_first = down_grid(
+        rows.numel() // block_m, triton.cdiv(latent, block_n), down_rows_first
+    )
     _down_combine[grid](
         h_q, h_scale, rows, block_expert, used_rows, w2, s2, routing, out, top_k,
         latent, inner,

@@ -504,9 +504,9 @@ def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | 
 
 MIN_SPLIT_TOKENS = 256
 # Warps of the partial kernel a multiprocessor keeps busy at once: at about 255
-# registers a thread (4 warps, and prefetch at 8), 64K registers hold 8 warps: two
-# programs of 4 side by side, which the kernel needs in flight to hide the cache
-# reads' latency, or one of 8.
+# registers a thread (sm90: 4 warps, and prefetch at 8; the fp32 dots of the tests
+# take 8 too), 64K registers hold 8 warps: two programs of 4 side by side, which
+# the kernel needs in flight to hide the cache reads' latency, or one of 8.
 WARPS_PER_MULTIPROCESSOR = 8
 
 

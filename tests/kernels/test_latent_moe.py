@@ -135,6 +135,33 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+def test_mxfp4_tiles_past_k_read_no_padding_bytes_or_scales():
+    """K tiles of 128 over a latent of 96 and an intermediate of 32: both GEMMs'
+    tiles reach past K, where the packed bytes and scales are masked off. The
+    weights here are views into wider buffers whose padding holds 0x77 bytes
+    (two 6.0s) and scale byte 255 (NaN): read, they would make the output NaN."""
+    z, ids, weights, w13, w2 = _case(5, 8, 2, latent=96, inner=32)
+    packed = moe.mxfp4_experts_from(w13, w2)
+
+    def in_padding(t: torch.Tensor, fill: int) -> torch.Tensor:
+        wider = torch.full(
+            (*t.shape[:-1], t.shape[-1] + 16), fill, dtype=t.dtype, device=t.device
+        )
+        wider[..., : t.shape[-1]] = t
+        return wider[..., : t.shape[-1]]
+
+    padded = moe.ExpertWeights(
+        "mxfp4",
+        in_padding(packed.w13, 0x77),
+        in_padding(packed.w13_scale, 255),
+        in_padding(packed.w2, 0x77),
+        in_padding(packed.w2_scale, 255),
+    )
+    got = moe.latent_moe(z, ids, weights, padded, block_k=128, imprecise_products=0)
+    assert torch.isfinite(got).all()
+    assert _agrees(got, moe.latent_moe_reference(z, ids, weights, packed))
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_the_down_gemms_launch_order_leaves_the_output_as_it_is(fmt):
     """Row blocks first or column blocks first (the default), the same sums: only
@@ -146,6 +173,15 @@ def test_the_down_gemms_launch_order_leaves_the_output_as_it_is(fmt):
     by_rows = moe.latent_moe(z, ids, weights, packed, down_rows_first=True, **exact)
     assert _close(by_rows, by_columns, 1e-6)
     assert _agrees(by_columns, moe.latent_moe_reference(z, ids, weights, packed))
+
+
+def test_row_blocks_past_the_grids_second_axis_go_first():
+    """Column blocks first puts the row blocks on the grid's second axis (at most
+    65,535): past that the row blocks go first, on the first axis."""
+    assert moe.down_grid(1100, 56, False) == ((56, 1100), False)
+    assert moe.down_grid(1100, 56, True) == ((1100, 56), True)
+    assert moe.down_grid(65535, 56, False) == ((56, 65535), False)
+    assert moe.down_grid(65536, 56, False) == ((65536, 56), True)
 
 
 def _gate_up_by_pair(monkeypatch, *args, **options) -> torch.Tensor:
@@ -192,7 +228,7 @@ FNUZ = torch.float8_e4m3fnuz
 def test_the_mxfp4_dot_gives_every_e2m1_value_times_its_scale_exactly(dtype, swap_ab):
     """The MXFP4 dot against identity activations returns each weight: every byte
     (both nibbles, all 16 e2m1 codes each, negative zero included) times its e8m0
-    scale (2^-40 to 2^40, one per 32 columns), equal to ``mxfp4_decode``'s value
+    scale (2^-40 to 2^38, one per 32 columns), equal to ``mxfp4_decode``'s value
     (each product is one e2m1 value times a power of two, exact in bf16 and in
     fp32), in both orientations and with either FP8 as the activations' dtype."""
     import triton

@@ -80,8 +80,9 @@ def test_decode_matches_reference(dtype, lens, heads, page_size):
 def test_tiles_within_a_page_and_across_pages(page_size, block_n, prefetch):
     """A tile inside one page reads the block table once; a tile longer than a
     page, or a page not a multiple of the tile, reads it per token. With
-    ``prefetch`` each tile's reads go out an iteration early, the last one's
-    past the split's end reading nothing."""
+    ``prefetch`` each tile's reads go out an iteration early (the loads of the
+    tile past the split's end are masked off; no result depends on them, so
+    these comparisons cannot see them)."""
     q, cache, table, lens = _setup(
         [130, 64, 1], heads=16, rows=2, page_size=page_size, dtype=FP8[0]
     )

@@ -51,7 +51,8 @@ def _e2m1_table(device=None) -> torch.Tensor:
 
 def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``weight_packed`` ``[N, K/2]`` (low nibble = even column) and UE8M0
-    ``weight_scale`` ``[N, K/32]`` -> fp32 ``[N, K]``: ``e2m1 · 2^(s - 127)``."""
+    ``weight_scale`` ``[N, K/32]`` -> fp32 ``[N, K]``: ``e2m1 · 2^(s - 127)``; a
+    scale byte of 255 is NaN (OCP MX), and so is every value it scales."""
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise TypeError("MXFP4 weights and scales are uint8")
     rows, half = packed.shape
@@ -65,7 +66,9 @@ def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     high = table[(packed >> 4).long()]
     values = torch.stack([low, high], dim=-1).reshape(rows, half * 2)
     exponents = scale.to(torch.int32) - 127
-    factors = torch.pow(2.0, exponents.float()).repeat_interleave(MXFP4_BLOCK, dim=1)
+    factors = torch.pow(2.0, exponents.float())
+    factors = torch.where(scale == 255, torch.nan, factors)
+    factors = factors.repeat_interleave(MXFP4_BLOCK, dim=1)
     return values * factors
 
 
