@@ -26,6 +26,7 @@ multiply-adds counted as two.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -438,10 +439,18 @@ def bench_mla(device, smoke, warmup, repeats):
     from k3_triton_kernels import mla_decode as k
 
     heads, dv, dpe, page = 16, 512, 64, 64
-    for batch, context, heads in mla_cases(smoke):
+    # The FP8 cache (--kv-cache-dtype fp8), and on a GPU the bf16 one (the default
+    # without it), each with the variants worth a row: FP8 also with prefetch
+    # (opt-in until timed).
+    caches = [(k.FP8_DTYPES[0], ((None, {}), ("prefetch", {"prefetch": True})))]
+    if not smoke:
+        caches.append((torch.bfloat16, ((None, {}),)))
+    for (batch, context, heads), (cache_dtype, variants) in itertools.product(
+        mla_cases(smoke), caches
+    ):
         pages_per_seq = math.ceil(context / page)
         cache = torch.randn(batch * pages_per_seq, page, dv + dpe, device=device).to(
-            k.FP8_DTYPES[0]
+            cache_dtype
         )
         table = torch.arange(batch * pages_per_seq, device=device, dtype=torch.int32)
         table = table.view(batch, pages_per_seq)
@@ -454,28 +463,25 @@ def bench_mla(device, smoke, warmup, repeats):
         cuda = device.type == "cuda"
 
         baseline = _vllm_mla(q, cache, table, lens, warmup, repeats, cuda)
-        # The default dots, and on a GPU the fp16-pairs dots (opt-in until timed).
-        for kernel, dots in (
-            ("mla_decode", None),
-            ("mla_decode[fp16-pairs]", "fp16-pairs"),
-        ):
-            if dots is not None and smoke:
+        for variant, options in variants:
+            if variant is not None and smoke:
                 continue
 
             def run_ours(
-                q=q, cache=cache, table=table, lens=lens, context=context, dots=dots
+                q=q, cache=cache, table=table, lens=lens, context=context, o=options
             ):
-                return k.mla_decode(
-                    q, cache, table, lens, max_seq_len=context, dots=dots
-                )
+                return k.mla_decode(q, cache, table, lens, max_seq_len=context, **o)
 
             ours = timed(run_ours, warmup=warmup, repeats=repeats, cuda=cuda)
             moved = (
-                batch * context * (dv + dpe) * 1
+                batch * context * (dv + dpe) * cache.element_size()
                 + q.numel() * q.element_size()
                 + batch * heads * dv * 4
             )
             flops = 2 * batch * heads * context * ((dv + dpe) + dv)
+            kernel = "mla_decode" + (f"[{variant}]" if variant else "")
+            if cache_dtype == torch.bfloat16:
+                kernel += "[bf16 cache]"
             row = {
                 "kernel": kernel,
                 "shape": f"B={batch} ctx={context} H={heads}",
@@ -487,6 +493,7 @@ def bench_mla(device, smoke, warmup, repeats):
             _side_by_side(row, baseline, run_ours()[0][:, 0])
             row["baseline"] = "vLLM decode_attention_fwd"
             yield row
+        del cache
 
 
 def _vllm_mla(q, cache, table, lens, warmup, repeats, cuda):

@@ -2,11 +2,13 @@
 ``bench_kernels.py`` times them, at K3's shapes, with vLLM's kernels for the same
 job in the same process:
 
-- MLA decode (FP8 cache, bf16 queries, 16 heads, 64-token pages): the default
+- MLA decode (bf16 queries, 16 heads, 64-token pages), FP8 cache: the default
   (fp16 dots, 4 warps), fp16-pairs dots, 8 warps, and each tile's reads issued an
-  iteration early (``prefetch``) at 8 warps (its default) and 4; vLLM's
-  ``decode_attention_fwd``; each row's HBM fraction, and how far each variant's
-  output is from the default's.
+  iteration early (``prefetch``) at 8 warps (its default) and 4; bf16 cache (the
+  cache without ``--kv-cache-dtype fp8``, never timed before): the default (bf16
+  dots), 8 warps and prefetch; vLLM's ``decode_attention_fwd`` on the same cache;
+  each row's HBM fraction, and how far each variant's output is from the
+  default's.
 - Latent MoE, FP8 per-channel weights (112 experts, top-16, latent 3584, inner
   3072): exact sums (``imprecise_products=0``); the default (Hopper's narrow FP8
   accumulation over each K tile, the down GEMM's column blocks first); the down
@@ -49,51 +51,66 @@ def gap(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
+MLA_VARIANTS = {
+    "fp8": (
+        ("default", {}),
+        ("fp16-pairs", {"dots": "fp16-pairs"}),
+        ("w8", {"num_warps": 8}),
+        ("prefetch", {"prefetch": True}),  # 8 warps on NVIDIA
+        ("prefetch w4", {"prefetch": True, "num_warps": 4}),
+    ),
+    # A bf16 cache (no --kv-cache-dtype) takes bf16 dots, its tile staged by
+    # Triton's pipeliner as it reaches the dots unconverted.
+    "bf16": (
+        ("default", {}),
+        ("w8", {"num_warps": 8}),
+        ("prefetch", {"prefetch": True}),
+    ),
+}
+
+
 def compare_mla(device) -> None:
-    for batch, context in MLA_SHAPES:
-        pages = math.ceil(context / 64)
-        cache = torch.randn(batch * pages, 64, 576, device=device).to(mla.FP8_DTYPES[0])
-        table = torch.arange(batch * pages, device=device, dtype=torch.int32)
-        table = table.view(batch, pages)
-        lens = torch.full((batch,), context, device=device, dtype=torch.int32)
-        q = torch.randn(batch, 1, 16, 576, device=device, dtype=torch.bfloat16)
-        cache_bytes = batch * context * 576
-        cells, outputs = [], {}
-        for label, options in (
-            ("fp16", {}),
-            ("fp16-pairs", {"dots": "fp16-pairs"}),
-            ("w8", {"num_warps": 8}),
-            ("prefetch", {"prefetch": True}),  # 8 warps on NVIDIA
-            ("prefetch w4", {"prefetch": True, "num_warps": 4}),
-        ):
-            run = functools.partial(
-                mla.mla_decode, q, cache, table, lens, max_seq_len=context, **options
-            )
-            try:
-                us = microseconds(run)
-                outputs[label] = run()[0]
-            except Exception as error:  # report, go on
-                cells.append(f"{label} failed: {error!r:.120}")
-                continue
-            cells.append(f"{label} {us:.1f}us {cache_bytes / us * 1e6 / HBM:.0%}")
-        seconds, theirs = _vllm_mla(q, cache, table, lens, 2, 10, True)
-        if seconds is None:
-            cells.append(str(theirs)[:120])
-        else:
-            cells.append(f"vLLM {seconds * 1e6:.1f}us")
-        for label, out in outputs.items():
-            if label != "fp16" and "fp16" in outputs:
-                cells.append(f"{label} gap {gap(out, outputs['fp16']):.1e}")
-        print(f"MLA B={batch} ctx={context}: " + "; ".join(cells), flush=True)
-        for label, options in (("default", {}), ("prefetch", {"prefetch": True})):
-            run = functools.partial(
-                mla.mla_decode, q, cache, table, lens, max_seq_len=context, **options
-            )
-            print(
-                f"MLA B={batch} ctx={context} {label}, by kernel: {breakdown(run)}",
-                flush=True,
-            )
-        del cache
+    cache_dtypes = {"fp8": mla.FP8_DTYPES[0], "bf16": torch.bfloat16}
+    for cache_label, cache_dtype in cache_dtypes.items():
+        for batch, context in MLA_SHAPES:
+            compare_mla_shape(device, batch, context, cache_label, cache_dtype)
+
+
+def compare_mla_shape(device, batch, context, cache_label, cache_dtype) -> None:
+    pages = math.ceil(context / 64)
+    cache = torch.randn(batch * pages, 64, 576, device=device).to(cache_dtype)
+    table = torch.arange(batch * pages, device=device, dtype=torch.int32)
+    table = table.view(batch, pages)
+    lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    q = torch.randn(batch, 1, 16, 576, device=device, dtype=torch.bfloat16)
+    cache_bytes = batch * context * 576 * cache.element_size()
+    cells, outputs = [], {}
+    for label, options in MLA_VARIANTS[cache_label]:
+        run = functools.partial(
+            mla.mla_decode, q, cache, table, lens, max_seq_len=context, **options
+        )
+        try:
+            us = microseconds(run)
+            outputs[label] = run()[0]
+        except Exception as error:  # report, go on
+            cells.append(f"{label} failed: {error!r:.120}")
+            continue
+        cells.append(f"{label} {us:.1f}us {cache_bytes / us * 1e6 / HBM:.0%}")
+    seconds, theirs = _vllm_mla(q, cache, table, lens, 2, 10, True)
+    if seconds is None:
+        cells.append(str(theirs)[:120])
+    else:
+        cells.append(f"vLLM {seconds * 1e6:.1f}us")
+    for label, out in outputs.items():
+        if label != "default" and "default" in outputs:
+            cells.append(f"{label} gap {gap(out, outputs['default']):.1e}")
+    shape = f"MLA {cache_label} cache B={batch} ctx={context}"
+    print(f"{shape}: " + "; ".join(cells), flush=True)
+    for label, options in (("default", {}), ("prefetch", {"prefetch": True})):
+        run = functools.partial(
+            mla.mla_decode, q, cache, table, lens, max_seq_len=context, **options
+        )
+        print(f"{shape} {label}, by kernel: {breakdown(run)}", flush=True)
 
 
 def breakdown(run) -> str:
