@@ -21,7 +21,7 @@ job in the same process:
 - For the defaults (and MLA's prefetch), each kernel's share of a call's device
   time, from the PyTorch profiler.
 
-    python benchmarks/compare_variants.py   # on a GPU; about 2 minutes
+    python benchmarks/compare_variants.py   # on a GPU; about 4 minutes
 
 The defaults in ``mla_decode`` and ``latent_moe`` are decided from its output,
 kept in ``benchmarks/results/``.

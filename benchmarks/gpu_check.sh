@@ -49,7 +49,7 @@ if [[ "${1:-}" == "compare" ]]; then
         tests/kernels/test_latent_moe.py tests/kernels/test_mla_decode.py 2>&1 \
         | tee "$OUT/kernel_tests.log"
     tests=$?
-    timeout "${COMPARE_SECONDS:-260}" "$PY" benchmarks/compare_variants.py 2>&1 \
+    timeout "${COMPARE_SECONDS:-360}" "$PY" benchmarks/compare_variants.py 2>&1 \
         | tee "$OUT/compare.txt"
     compare=$?
     echo "kernel tests rc=$tests, comparison rc=$compare"
