@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +15,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 FORCE_PROCESSOR = "vllm_k3_plugin.testing.force:ForceTokens"
+
+
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of a child process: on Linux it gets SIGTERM when the process
+    that started it dies, even by SIGKILL or a test runner's timeout, where no
+    ``finally`` runs to stop it (elsewhere a no-op). Only a C call between fork
+    and exec: the library is loaded before the fork."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -101,6 +116,7 @@ def running_server(
             # package of that name vLLM imports.
             cwd=log_path.parent,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         url = f"http://127.0.0.1:{port}"
         try:
