@@ -162,11 +162,38 @@ def mla_cases(smoke: bool):
     return [(b, ctx, 16) for b in (1, 32, 128) for ctx in (4096, 32768, 131072)]
 
 
+# K3's routed experts on one device (896 over EP8): experts, top-k, latent, inner.
+K3_MOE = (112, 16, 3584, 3072)
+
+
 def moe_cases(smoke: bool):
     if smoke:
         return [(4, 8, 2, 64, 32)]
-    # tokens, experts per device (896 over EP8), top-k, latent, inner
-    return [(t, 112, 16, 3584, 3072) for t in (1, 16, 256, 4096)]
+    # tokens, experts, top-k, latent, inner
+    return [(t, *K3_MOE) for t in (1, 16, 256, 4096)]
+
+
+def expert_weights(experts: int, latent: int, inner: int, device):
+    """Random fp32 ``(w13 [E, 2I, L], w2 [E, L, I])``, each row of unit scale over
+    its inputs, for the weight formats to be built from."""
+    import torch
+
+    w13 = torch.randn(experts, 2 * inner, latent, device=device) / latent**0.5
+    w2 = torch.randn(experts, latent, inner, device=device) / inner**0.5
+    return w13, w2
+
+
+def routed_tokens(tokens: int, experts: int, top_k: int, latent: int, device):
+    """Random ``(z [T, L], ids, weights)``: ``tokens`` latents routed top-k by the
+    model's router over random logits."""
+    import torch
+
+    from vllm_k3_plugin.model.reference import route
+
+    z = torch.randn(tokens, latent, device=device)
+    logits = torch.randn(tokens, experts, device=device)
+    weights, ids = route(logits, torch.zeros(experts, device=device), top_k)
+    return z, ids, weights
 
 
 def kda_cases(smoke: bool):
@@ -569,18 +596,11 @@ def bench_moe(device, smoke, warmup, repeats):
     import torch
 
     from k3_triton_kernels import latent_moe as moe
-    from vllm_k3_plugin.model.reference import route
 
     for tokens, experts, top_k, latent, inner in moe_cases(smoke):
         torch.manual_seed(0)
-        z = torch.randn(tokens, latent, device=device)
-        w13 = torch.randn(experts, 2 * inner, latent, device=device) / latent**0.5
-        w2 = torch.randn(experts, latent, inner, device=device) / inner**0.5
-        weights, ids = route(
-            torch.randn(tokens, experts, device=device),
-            torch.zeros(experts, device=device),
-            top_k,
-        )
+        w13, w2 = expert_weights(experts, latent, inner, device)
+        z, ids, weights = routed_tokens(tokens, experts, top_k, latent, device)
         cuda = device.type == "cuda"
         for fmt, build in (
             ("fp8", moe.fp8_experts_from),

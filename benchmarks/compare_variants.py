@@ -34,17 +34,22 @@ import math
 import time
 
 import torch
-from bench_kernels import _vllm_mla, kernel_microseconds
+from bench_kernels import (
+    K3_MOE,
+    _vllm_mla,
+    expert_weights,
+    kernel_microseconds,
+    routed_tokens,
+)
 from bench_kernels import graph_microseconds as microseconds
 
 from k3_triton_kernels import latent_moe as moe
 from k3_triton_kernels import mla_decode as mla
-from vllm_k3_plugin.model.reference import route
 
 HBM = 4.8e12  # H200
 MLA_SHAPES = ((1, 131072), (32, 32768), (128, 32768), (32, 131072))
 MOE_TOKENS = (1, 256, 4096)
-EXPERTS, TOP_K, LATENT, INNER = 112, 16, 3584, 3072
+EXPERTS, TOP_K, LATENT, INNER = K3_MOE
 
 
 def gap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -147,17 +152,14 @@ def output_and_gate_up(run) -> tuple[torch.Tensor, torch.Tensor]:
 
 def compare_moe(device) -> None:
     torch.manual_seed(0)
-    w13 = torch.randn(EXPERTS, 2 * INNER, LATENT, device=device) / LATENT**0.5
-    w2 = torch.randn(EXPERTS, LATENT, INNER, device=device) / INNER**0.5
+    w13, w2 = expert_weights(EXPERTS, LATENT, INNER, device)
     packed = moe.fp8_experts_from(w13, w2)
     mxfp4 = moe.mxfp4_experts_from(w13, w2)
     del w13, w2
     weight_bytes = packed.w13[0].numel() + packed.w2[0].numel()
     mxfp4_bytes = sum(t[0].numel() for t in mxfp4[1:])
     for tokens in MOE_TOKENS:
-        z = torch.randn(tokens, LATENT, device=device)
-        logits = torch.randn(tokens, EXPERTS, device=device)
-        weights, ids = route(logits, torch.zeros(EXPERTS, device=device), TOP_K)
+        z, ids, weights = routed_tokens(tokens, EXPERTS, TOP_K, LATENT, device)
         experts_used = len(torch.unique(ids))
         flops = 2 * tokens * TOP_K * LATENT * 3 * INNER
         cells, outputs, intermediates = [], {}, {}

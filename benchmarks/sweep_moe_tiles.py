@@ -22,12 +22,12 @@ import itertools
 import time
 
 import torch
+from bench_kernels import K3_MOE, expert_weights, routed_tokens
 from bench_kernels import graph_microseconds as microseconds
 
 from k3_triton_kernels import latent_moe as moe
-from vllm_k3_plugin.model.reference import route
 
-EXPERTS, TOP_K, LATENT, INNER = 112, 16, 3584, 3072
+EXPERTS, TOP_K, LATENT, INNER = K3_MOE
 
 
 def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
@@ -70,16 +70,13 @@ def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
 def main() -> None:
     device = torch.device("cuda")
     torch.manual_seed(0)
-    w13 = torch.randn(EXPERTS, 2 * INNER, LATENT, device=device) / LATENT**0.5
-    w2 = torch.randn(EXPERTS, LATENT, INNER, device=device) / INNER**0.5
+    w13, w2 = expert_weights(EXPERTS, LATENT, INNER, device)
     packed = moe.fp8_experts_from(w13, w2)
     mxfp4 = moe.mxfp4_experts_from(w13, w2)
     del w13, w2
     started = time.time()
     for tokens in (1, 16, 256, 4096):
-        z = torch.randn(tokens, LATENT, device=device)
-        logits = torch.randn(tokens, EXPERTS, device=device)
-        weights, ids = route(logits, torch.zeros(EXPERTS, device=device), TOP_K)
+        z, ids, weights = routed_tokens(tokens, EXPERTS, TOP_K, LATENT, device)
         default_us, best = sweep(packed, "fp8", tokens, z, ids, weights)
         block_m = moe.default_tiles("fp8", tokens)[0]
         grouping = microseconds(
