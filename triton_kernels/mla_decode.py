@@ -238,6 +238,36 @@ if triton is not None:
         return token_base, n_mask
 
     @triton.jit
+    def _tile_keys(
+        cache_ptr,
+        block_table_ptr,
+        b,
+        stride_bt,
+        stride_cp,
+        stride_cs,
+        tile,
+        end,
+        page_size: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PAGE_TILES: tl.constexpr,
+        DV: tl.constexpr,
+        DH: tl.constexpr,
+        DPE: tl.constexpr,
+        DOTS: tl.constexpr,
+        HARDWARE_CVT: tl.constexpr,
+    ):
+        """The tile's first ``DH`` latent columns and its rope columns as the dots
+        take them (stored values, unscaled: the layer's scale goes on scores and
+        output), which tokens are before ``end``, and the tokens' cache rows."""
+        token_base, n_mask = _tile_rows(
+            cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
+            tile, end, page_size, BLOCK_N, PAGE_TILES,
+        )  # fmt: skip
+        k_lo = _load_keys(token_base, 0, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
+        k_pe = _load_keys(token_base, DV, DPE, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
+        return k_lo, k_pe, n_mask, token_base
+
+    @triton.jit
     def _dot(a, b, DOTS: tl.constexpr, INTERPRETED: tl.constexpr):
         """``a @ b`` into fp32. ``DOTS`` 1: every operand value is exact in bf16, and
         on a GPU the dot runs on bf16 tensor cores; 2: the operands are rounded to
@@ -349,38 +379,27 @@ if triton is not None:
         acc_lo = tl.zeros((BLOCK_H, DH), tl.float32)
         acc_hi = tl.zeros((BLOCK_H, DH if PARTS == 2 else 16), tl.float32)
         if PREFETCH:
-            token_base, mask_next = _tile_rows(
+            lo_next, pe_next, mask_next, _ = _tile_keys(
                 cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-                start, end, page_size, BLOCK_N, PAGE_TILES,
+                start, end, page_size, BLOCK_N, PAGE_TILES, DV, DH, DPE, DOTS,
+                HARDWARE_CVT,
             )  # fmt: skip
-            lo_next = _load_keys(token_base, 0, DH, mask_next, BLOCK_N, DOTS, False)
-            pe_next = _load_keys(token_base, DV, DPE, mask_next, BLOCK_N, DOTS, False)
         for tile in range(start, end, BLOCK_N):
             if PREFETCH:
                 # This tile's keys were loaded an iteration ago; the next tile's
                 # loads go out now, ahead of this tile's dots.
                 k_lo, k_pe, n_mask = lo_next, pe_next, mask_next
-                token_base, mask_next = _tile_rows(
+                lo_next, pe_next, mask_next, _ = _tile_keys(
                     cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-                    tile + BLOCK_N, end, page_size, BLOCK_N, PAGE_TILES,
+                    tile + BLOCK_N, end, page_size, BLOCK_N, PAGE_TILES, DV, DH, DPE,
+                    DOTS, HARDWARE_CVT,
                 )  # fmt: skip
-                lo_next = _load_keys(token_base, 0, DH, mask_next, BLOCK_N, DOTS, False)
-                pe_next = _load_keys(
-                    token_base, DV, DPE, mask_next, BLOCK_N, DOTS, False
-                )
             else:
-                token_base, n_mask = _tile_rows(
+                k_lo, k_pe, n_mask, token_base = _tile_keys(
                     cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-                    tile, end, page_size, BLOCK_N, PAGE_TILES,
+                    tile, end, page_size, BLOCK_N, PAGE_TILES, DV, DH, DPE, DOTS,
+                    HARDWARE_CVT,
                 )  # fmt: skip
-                # Stored values, unscaled: the layer's scale goes on scores and
-                # output.
-                k_lo = _load_keys(
-                    token_base, 0, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT
-                )
-                k_pe = _load_keys(
-                    token_base, DV, DPE, n_mask, BLOCK_N, DOTS, HARDWARE_CVT
-                )
             scores = _dot(q_lo, tl.trans(k_lo), DOTS, INTERPRETED)
             if PARTS == 2:
                 k_hi = _load_keys(
