@@ -198,7 +198,7 @@ if triton is not None:
         return keys
 
     @triton.jit
-    def _tile_rows(
+    def _tile_keys(
         cache_ptr,
         block_table_ptr,
         b,
@@ -210,9 +210,16 @@ if triton is not None:
         page_size: tl.constexpr,
         BLOCK_N: tl.constexpr,
         PAGE_TILES: tl.constexpr,
+        DV: tl.constexpr,
+        DH: tl.constexpr,
+        DPE: tl.constexpr,
+        DOTS: tl.constexpr,
+        HARDWARE_CVT: tl.constexpr,
     ):
-        """The cache row of each token of the tile starting at ``tile``, and which
-        of them are before ``end`` (none when ``tile >= end``: nothing is read)."""
+        """The tile starting at ``tile``: its first ``DH`` latent columns and its
+        rope columns as the dots take them (stored values, unscaled: the layer's
+        scale goes on scores and output), which of its tokens are before ``end``
+        (none when ``tile >= end``: nothing is read), and the tokens' cache rows."""
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < end
         if PAGE_TILES:
@@ -235,34 +242,6 @@ if triton is not None:
             token_base = (
                 cache_ptr + page.to(tl.int64) * stride_cp + (n % page_size) * stride_cs
             )
-        return token_base, n_mask
-
-    @triton.jit
-    def _tile_keys(
-        cache_ptr,
-        block_table_ptr,
-        b,
-        stride_bt,
-        stride_cp,
-        stride_cs,
-        tile,
-        end,
-        page_size: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        PAGE_TILES: tl.constexpr,
-        DV: tl.constexpr,
-        DH: tl.constexpr,
-        DPE: tl.constexpr,
-        DOTS: tl.constexpr,
-        HARDWARE_CVT: tl.constexpr,
-    ):
-        """The tile's first ``DH`` latent columns and its rope columns as the dots
-        take them (stored values, unscaled: the layer's scale goes on scores and
-        output), which tokens are before ``end``, and the tokens' cache rows."""
-        token_base, n_mask = _tile_rows(
-            cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-            tile, end, page_size, BLOCK_N, PAGE_TILES,
-        )  # fmt: skip
         k_lo = _load_keys(token_base, 0, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
         k_pe = _load_keys(token_base, DV, DPE, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
         return k_lo, k_pe, n_mask, token_base
