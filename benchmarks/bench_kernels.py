@@ -106,10 +106,30 @@ def _captured(run):
     return graph.replay
 
 
-def graph_microseconds(run) -> float:
+def graph_microseconds(run, cuda: bool = True) -> float:
     """``run``'s device time on a GPU in microseconds, as the sweeps and the
-    comparison of options take it: CUDA-graph replays, 2 warm-up calls, 10 timed."""
+    comparison of options take it: CUDA-graph replays, 2 warm-up calls, 10 timed.
+    Off a GPU (the scripts' ``--smoke`` runs on the interpreter), the wall time of
+    one call after one to compile: the plumbing runs, the figure means nothing."""
+    if not cuda:
+        return 1e6 * timed(run, warmup=1, repeats=1, cuda=False)
     return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
+
+
+def script_device(doc: str, argv=None):
+    """The device a GPU script runs on, from its command line: the GPU, or with
+    ``--smoke`` the CPU, the kernels on the Triton interpreter (set here, before
+    the kernels' modules import Triton)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU interpreter"
+    )
+    smoke = parser.parse_args(argv).smoke
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    return torch.device("cpu" if smoke else "cuda")
 
 
 def kernel_microseconds(run, calls: int = 5) -> dict[str, float]:
@@ -119,12 +139,17 @@ def kernel_microseconds(run, calls: int = 5) -> dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.cuda.is_available()
+    synchronize = torch.cuda.synchronize if cuda else lambda: None
+    # Off a GPU (``--smoke``) the profiler records the CPU, where the interpreter's
+    # launches are no kernels: the result is empty, the code path the same.
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as recorded:
+    synchronize()
+    with profile(activities=[activity]) as recorded:
         for _ in range(calls):
             run()
-        torch.cuda.synchronize()
+        synchronize()
     totals: dict[str, float] = {}
     for event in recorded.key_averages():
         device_us = getattr(event, "device_time_total", None)

@@ -21,7 +21,8 @@ job in the same process:
 - For the defaults (and MLA's prefetch), each kernel's share of a call's device
   time, from the PyTorch profiler.
 
-    python benchmarks/compare_variants.py   # on a GPU; about 4 minutes
+    python benchmarks/compare_variants.py           # on a GPU; about 4 minutes
+    python benchmarks/compare_variants.py --smoke   # tiny shapes, CPU interpreter
 
 The defaults in ``mla_decode`` and ``latent_moe`` are decided from its output,
 kept in ``benchmarks/results/``.
@@ -32,24 +33,41 @@ from __future__ import annotations
 import functools
 import math
 import time
+from typing import NamedTuple
 
 import torch
 from bench_kernels import (
     K3_MOE,
     _vllm_mla,
     expert_weights,
+    graph_microseconds,
     kernel_microseconds,
     routed_tokens,
+    script_device,
 )
-from bench_kernels import graph_microseconds as microseconds
-
-from k3_triton_kernels import latent_moe as moe
-from k3_triton_kernels import mla_decode as mla
 
 HBM = 4.8e12  # H200
-MLA_SHAPES = ((1, 131072), (32, 32768), (128, 32768), (32, 131072))
-MOE_TOKENS = (1, 256, 4096)
-EXPERTS, TOP_K, LATENT, INNER = K3_MOE
+
+
+class Shapes(NamedTuple):
+    mla: tuple[tuple[int, int], ...]  # (batch, context)
+    moe_tokens: tuple[int, ...]
+    moe: tuple[int, int, int, int]  # experts, top-k, latent, inner
+    # From this many tokens the MoE also tries 128-row blocks and 256-wide K tiles.
+    large_batch: int
+
+
+K3_SHAPES = Shapes(
+    mla=((1, 131072), (32, 32768), (128, 32768), (32, 131072)),
+    moe_tokens=(1, 256, 4096),
+    moe=K3_MOE,
+    large_batch=256,
+)
+# --smoke: every variant and baseline once, on the CPU interpreter (MXFP4 takes
+# latent and inner in whole 32-wide scale groups).
+SMOKE_SHAPES = Shapes(
+    mla=((2, 100),), moe_tokens=(1, 16), moe=(8, 2, 64, 32), large_batch=16
+)
 
 
 def gap(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -74,14 +92,20 @@ MLA_VARIANTS = {
 }
 
 
-def compare_mla(device) -> None:
+def compare_mla(device, shapes: Shapes) -> None:
+    from k3_triton_kernels import mla_decode as mla
+
     cache_dtypes = {"fp8": mla.FP8_DTYPES[0], "bf16": torch.bfloat16}
     for cache_label, cache_dtype in cache_dtypes.items():
-        for batch, context in MLA_SHAPES:
+        for batch, context in shapes.mla:
             compare_mla_shape(device, batch, context, cache_label, cache_dtype)
 
 
 def compare_mla_shape(device, batch, context, cache_label, cache_dtype) -> None:
+    from k3_triton_kernels import mla_decode as mla
+
+    cuda = device.type == "cuda"
+    microseconds = functools.partial(graph_microseconds, cuda=cuda)
     pages = math.ceil(context / 64)
     cache = torch.randn(batch * pages, 64, 576, device=device).to(cache_dtype)
     table = torch.arange(batch * pages, device=device, dtype=torch.int32)
@@ -101,7 +125,7 @@ def compare_mla_shape(device, batch, context, cache_label, cache_dtype) -> None:
             cells.append(f"{label} failed: {error!r:.120}")
             continue
         cells.append(f"{label} {us:.1f}us {cache_bytes / us * 1e6 / HBM:.0%}")
-    seconds, theirs = _vllm_mla(q, cache, table, lens, 2, 10, True)
+    seconds, theirs = _vllm_mla(q, cache, table, lens, 2 if cuda else 0, 10, cuda)
     if seconds is None:
         cells.append(str(theirs)[:120])
     else:
@@ -124,6 +148,8 @@ def breakdown(run) -> str:
         by_kernel = kernel_microseconds(run)
     except Exception as error:  # a profiler that does not run is reported
         return f"profiler failed ({error!r:.80})"
+    if not by_kernel:
+        return "no device kernels recorded"
     return ", ".join(f"{name[:40]} {us:.1f}us" for name, us in by_kernel.items())
 
 
@@ -131,6 +157,8 @@ def output_and_gate_up(run) -> tuple[torch.Tensor, torch.Tensor]:
     """``run``'s output, and its gate/up GEMM's SiTU output (before its
     requantization): the same FP8 inputs for every variant, so that gap is the
     accumulation's alone."""
+    from k3_triton_kernels import latent_moe as moe
+
     recorded = []
     quantize = moe.quantize_rows
 
@@ -150,18 +178,22 @@ def output_and_gate_up(run) -> tuple[torch.Tensor, torch.Tensor]:
     return out, recorded[-1]
 
 
-def compare_moe(device) -> None:
+def compare_moe(device, shapes: Shapes) -> None:
+    from k3_triton_kernels import latent_moe as moe
+
+    microseconds = functools.partial(graph_microseconds, cuda=device.type == "cuda")
+    num_experts, top_k, latent, inner = shapes.moe
     torch.manual_seed(0)
-    w13, w2 = expert_weights(EXPERTS, LATENT, INNER, device)
+    w13, w2 = expert_weights(num_experts, latent, inner, device)
     packed = moe.fp8_experts_from(w13, w2)
     mxfp4 = moe.mxfp4_experts_from(w13, w2)
     del w13, w2
     weight_bytes = packed.w13[0].numel() + packed.w2[0].numel()
     mxfp4_bytes = sum(t[0].numel() for t in mxfp4[1:])
-    for tokens in MOE_TOKENS:
-        z, ids, weights = routed_tokens(tokens, EXPERTS, TOP_K, LATENT, device)
+    for tokens in shapes.moe_tokens:
+        z, ids, weights = routed_tokens(tokens, num_experts, top_k, latent, device)
         experts_used = len(torch.unique(ids))
-        flops = 2 * tokens * TOP_K * LATENT * 3 * INNER
+        flops = 2 * tokens * top_k * latent * 3 * inner
         cells, outputs, intermediates = [], {}, {}
         variants = [
             ("exact", {"imprecise_products": 0}),
@@ -169,7 +201,7 @@ def compare_moe(device) -> None:
             ("rows-first", {"down_rows_first": True}),
             ("never", {"imprecise_products": None}),
         ]
-        if tokens >= 256:
+        if tokens >= shapes.large_batch:
             variants.append(("bm128 w8", {"block_m": 128, "num_warps": 8}))
             # K tiles of 256: half the promotions into fp32 (one a tile).
             variants.append(("bk256", {"block_k": 256}))
@@ -212,12 +244,16 @@ def compare_moe(device) -> None:
             )
 
 
-def main() -> None:
-    device = torch.device("cuda")
+def main(argv=None) -> None:
+    device = script_device(__doc__, argv)
+    if device.type == "cuda":
+        shapes, name = K3_SHAPES, torch.cuda.get_device_name()
+    else:
+        shapes, name = SMOKE_SHAPES, "CPU (interpreter)"
     started = time.time()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    compare_moe(device)
-    compare_mla(device)
+    print(name, "torch", torch.__version__, flush=True)
+    compare_moe(device, shapes)
+    compare_mla(device, shapes)
     print(f"elapsed {time.time() - started:.0f} s")
 
 

@@ -82,7 +82,8 @@ timeout "${BENCH_SECONDS:-330}" "$PY" benchmarks/bench_kernels.py \
 bench=$?
 # TESTS: pytest arguments in place of the whole kernel suite.
 timeout "${TEST_SECONDS:-200}" "$PY" -m pytest -q -p no:cacheprovider \
-    ${TESTS:-tests/kernels} --ignore=tests/kernels/test_cross_compile.py 2>&1 \
+    ${TESTS:-tests/kernels} --ignore=tests/kernels/test_cross_compile.py \
+    --ignore=tests/kernels/test_benchmark_scripts.py 2>&1 \
     | tee "$OUT/kernel_tests.log"
 tests=$?
 echo "benchmark rc=$bench, kernel tests rc=$tests"

@@ -12,7 +12,8 @@ queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 2. Split counts: for the fastest configuration of part 1, split counts from 1 to 3
    per multiprocessor on each shape, against ``default_num_splits``.
 
-    python benchmarks/sweep_mla.py    # on a CUDA / ROCm GPU; about 3 minutes
+    python benchmarks/sweep_mla.py            # on a CUDA / ROCm GPU; about 3 minutes
+    python benchmarks/sweep_mla.py --smoke    # one tiny shape, CPU interpreter
 
 ``mla_decode``'s defaults (``DEFAULT_BLOCK_N``, ``DEFAULT_STAGES``, the warps,
 ``default_num_splits``) are set from its output, kept in
@@ -27,15 +28,19 @@ import math
 import time
 
 import torch
-from bench_kernels import graph_microseconds as microseconds
-
-from k3_triton_kernels import mla_decode as k
+from bench_kernels import graph_microseconds, script_device
 
 HEADS, PAGE, WIDTH = 16, 64, 576
 SHAPES = ((1, 131072), (32, 32768), (128, 32768), (32, 131072))
+# --smoke: every configuration once on the CPU interpreter, with a stand-in count
+# of multiprocessors for the split counts.
+SMOKE_SHAPES = ((2, 100),)
+SMOKE_MULTIPROCESSORS = 2
 
 
 def inputs(batch: int, context: int, device):
+    from k3_triton_kernels import mla_decode as k
+
     pages = math.ceil(context / PAGE)
     cache = torch.randn(batch * pages, PAGE, WIDTH, device=device).to(k.FP8_DTYPES[0])
     table = torch.arange(batch * pages, device=device, dtype=torch.int32)
@@ -44,19 +49,30 @@ def inputs(batch: int, context: int, device):
     return q, cache, table.view(batch, pages), lens
 
 
-def main() -> None:
-    device = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+def main(argv=None) -> None:
+    device = script_device(__doc__, argv)
+    if device.type == "cuda":
+        shapes = SHAPES
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        shapes, sms = SMOKE_SHAPES, SMOKE_MULTIPROCESSORS
+    sweep(device, shapes, sms)
+
+
+def sweep(device, shapes, sms: int) -> None:
+    from k3_triton_kernels import mla_decode as k
+
+    microseconds = functools.partial(graph_microseconds, cuda=device.type == "cuda")
     started = time.time()
-    cases = {shape: inputs(*shape, device) for shape in SHAPES}
+    cases = {shape: inputs(*shape, device) for shape in shapes}
     hbm = {
-        shape: shape[0] * shape[1] * WIDTH for shape in SHAPES
+        shape: shape[0] * shape[1] * WIDTH for shape in shapes
     }  # the FP8 cache bytes
 
     def default_splits(warps: int) -> dict:
         return {
             shape: k.default_num_splits(shape[1], shape[0], device, warps)
-            for shape in SHAPES
+            for shape in shapes
         }
 
     defaults = default_splits(4)
@@ -90,7 +106,7 @@ def main() -> None:
                     us = microseconds(run)
                 except Exception as error:  # out of resources: report, go on
                     print(
-                        f"bn{block_n} s{stages} w{warps} {variant}: "
+                        f"bn{block_n} s{stages} w{warps} {variant}: failed, "
                         f"{type(error).__name__}"
                     )
                     us = math.inf

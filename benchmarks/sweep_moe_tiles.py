@@ -9,7 +9,8 @@ the default and the four fastest per token count, and, for FP8, what the steps
 around the GEMMs take alone (the expert grouping, the activations' quantization)
 next to vLLM's two GEMMs.
 
-    python benchmarks/sweep_moe_tiles.py    # on a CUDA / ROCm GPU; about 3 minutes
+    python benchmarks/sweep_moe_tiles.py          # on a GPU; about 3 minutes
+    python benchmarks/sweep_moe_tiles.py --smoke  # tiny shapes, CPU interpreter
 
 ``latent_moe.default_tiles`` is set from its output, kept in
 ``benchmarks/results/moe_tiles_h200.txt``.
@@ -22,22 +23,37 @@ import itertools
 import time
 
 import torch
-from bench_kernels import K3_MOE, expert_weights, routed_tokens
-from bench_kernels import graph_microseconds as microseconds
+from bench_kernels import (
+    K3_MOE,
+    expert_weights,
+    graph_microseconds,
+    routed_tokens,
+    script_device,
+)
 
-from k3_triton_kernels import latent_moe as moe
+TOKENS = (1, 16, 256, 4096)
+# From this many tokens: 64- and 128-row blocks, 4 and 8 warps, one orientation.
+LARGE_BATCH = 256
+# --smoke: every configuration once on the CPU interpreter (experts, top-k, latent,
+# inner; MXFP4 takes latent and inner in whole 32-wide scale groups).
+SMOKE_MOE = (8, 2, 64, 32)
+SMOKE_TOKENS = (1, 16)
+SMOKE_LARGE_BATCH = 16
 
-EXPERTS, TOP_K, LATENT, INNER = K3_MOE
 
-
-def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
+def sweep(
+    packed, fmt, tokens, z, ids, weights, microseconds, large_batch=LARGE_BATCH
+) -> tuple[float, list[str]]:
     """The default tiles' time and the four fastest configurations of ``fmt``."""
+    from k3_triton_kernels import latent_moe as moe
+
     default = moe.default_tiles(fmt, tokens)
-    block_ms = (64, 128) if tokens >= 256 else (16,)
-    warps = (4, 8) if tokens >= 256 else (4,)
+    large = tokens >= large_batch
+    block_ms = (64, 128) if large else (16,)
+    warps = (4, 8) if large else (4,)
     configs = itertools.product(block_ms, ((64, 128), (128, 128)), warps, (3, 4))
     # Under 64-row blocks both orientations of the dots (None: the default).
-    swaps = (True, False) if tokens < 256 else (None,)
+    swaps = (None,) if large else (True, False)
     results, default_us = [], float("nan")
     for index, ((block_m, (block_n, block_k), warps, stages), swap) in enumerate(
         [((default[0], default[1:], 4, None), None), *itertools.product(configs, swaps)]
@@ -52,7 +68,7 @@ def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
         except Exception as error:  # out of resources: report, go on
             print(
                 f"T={tokens} {fmt} bm{block_m} bn{block_n} bk{block_k} w{warps} "
-                f"s{stages} swap{swap}: {error!r:.100}"
+                f"s{stages} swap{swap}: failed, {error!r:.100}"
             )
             continue
         if index == 0:
@@ -67,20 +83,34 @@ def sweep(packed, fmt, tokens, z, ids, weights) -> tuple[float, list[str]]:
     return default_us, best
 
 
-def main() -> None:
-    device = torch.device("cuda")
+def main(argv=None) -> None:
+    device = script_device(__doc__, argv)
+    if device.type == "cuda":
+        shape, token_counts, large_batch = K3_MOE, TOKENS, LARGE_BATCH
+    else:
+        shape, token_counts, large_batch = SMOKE_MOE, SMOKE_TOKENS, SMOKE_LARGE_BATCH
+    run_sweeps(device, shape, token_counts, large_batch)
+
+
+def run_sweeps(device, shape, token_counts, large_batch) -> None:
+    from k3_triton_kernels import latent_moe as moe
+
+    microseconds = functools.partial(graph_microseconds, cuda=device.type == "cuda")
+    num_experts, top_k, latent, inner = shape
     torch.manual_seed(0)
-    w13, w2 = expert_weights(EXPERTS, LATENT, INNER, device)
+    w13, w2 = expert_weights(num_experts, latent, inner, device)
     packed = moe.fp8_experts_from(w13, w2)
     mxfp4 = moe.mxfp4_experts_from(w13, w2)
     del w13, w2
     started = time.time()
-    for tokens in (1, 16, 256, 4096):
-        z, ids, weights = routed_tokens(tokens, EXPERTS, TOP_K, LATENT, device)
-        default_us, best = sweep(packed, "fp8", tokens, z, ids, weights)
+    for tokens in token_counts:
+        z, ids, weights = routed_tokens(tokens, num_experts, top_k, latent, device)
+        default_us, best = sweep(
+            packed, "fp8", tokens, z, ids, weights, microseconds, large_batch
+        )
         block_m = moe.default_tiles("fp8", tokens)[0]
         grouping = microseconds(
-            lambda ids=ids, bm=block_m: moe.group_by_expert(ids, EXPERTS, bm)
+            lambda ids=ids, bm=block_m: moe.group_by_expert(ids, num_experts, bm)
         )
         quantize = microseconds(lambda z=z: moe.quantize_rows(z, moe.FP8))
         try:
@@ -94,7 +124,9 @@ def main() -> None:
             f"{grouping:.1f}us, z quantization {quantize:.1f}us; vLLM GEMMs {vllm}us",
             flush=True,
         )
-        default_us, best = sweep(mxfp4, "mxfp4", tokens, z, ids, weights)
+        default_us, best = sweep(
+            mxfp4, "mxfp4", tokens, z, ids, weights, microseconds, large_batch
+        )
         print(f"T={tokens} mxfp4 default={default_us:.1f}us best: {best}", flush=True)
     print("elapsed", time.time() - started)
 
