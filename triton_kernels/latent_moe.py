@@ -4,13 +4,20 @@ Triton kernels, their launcher, and the PyTorch reference.
 On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weights``
 ``[T, top_k]``:
 
-1. activations are quantized to FP8 per token (``scale = max|z_t| / fp8_max``);
-2. the (token, slot) pairs are sorted by expert and padded per ``BLOCK_M`` block;
-3. kernel 1, per block: the gate/up GEMM against ``w13`` ``[E, 2I, L]`` (one dot over
-   gate and up rows interleaved), dequantized, SiTU-GLU -> ``h`` ``[pairs, I]``;
-4. ``h`` is requantized to FP8 per row;
-5. kernel 2, per block: the down GEMM against ``w2`` ``[E, L, I]``, dequantized, times
-   the routing weight, added into the token's output row.
+1. one launch (``prepare_rows``): the (token, slot) pairs are grouped by expert and
+   padded per ``BLOCK_M`` block, and beside the grouping program, one a token, the
+   activations are quantized to FP8 (``scale = max|z_t| / fp8_max``) and the
+   output rows zeroed (past 1,024 pairs a second launch places the pairs);
+2. the gate/up GEMM, per block, against ``w13`` ``[E, 2I, L]`` (one dot over gate
+   and up rows interleaved), dequantized, SiTU-GLU -> ``h`` ``[pairs, I]``;
+3. ``h`` is requantized to FP8 per row;
+4. the down GEMM, per block, against ``w2`` ``[E, L, I]``, dequantized, times the
+   routing weight, added into the token's output row.
+
+Four launches at decode sizes: each launch costs a few microseconds of its own
+even in a CUDA graph, next to GEMMs of about 130 µs at one token on an H200
+(a grouping and a quantization of one token took 5-6 µs each in a graph replay,
+``benchmarks/results/moe_tiles_h200.txt``).
 
 FP8 is OCP ``float8_e4m3fn`` (MI355X, CUDA) or ``float8_e4m3fnuz`` (gfx94x, max 240):
 FP8 weights carry their own dtype and the activations follow it; for MXFP4 weights the
@@ -274,7 +281,7 @@ if triton is not None:
         return values, scale
 
     @triton.jit
-    def _plan_expert_blocks(
+    def _plan_groups(
         ids_ptr,
         rows_ptr,
         block_expert_ptr,
@@ -288,7 +295,7 @@ if triton is not None:
         CHUNK: tl.constexpr,
         BLOCKS_A_STEP: tl.constexpr,
     ):
-        """One program: count the pairs of each expert, pad each group to
+        """In one program: count the pairs of each expert, pad each group to
         ``BLOCK_M`` rows, and write where each group starts (``cursor``), the rows
         used, every block's expert, and -1 in every row."""
         counts = tl.zeros((BINS,), tl.int32)
@@ -318,17 +325,22 @@ if triton is not None:
             tl.store(block_expert_ptr + b, expert, mask=b < blocks)
 
     @triton.jit
-    def _place_pairs(
-        ids_ptr, rows_ptr, cursor_ptr, pairs, num_experts, CHUNK: tl.constexpr
-    ):
-        """Each pair takes the next row of its expert's group (in no set order
-        within the group: each row's GEMM result does not depend on its place)."""
-        p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    def _place_chunk(ids_ptr, rows_ptr, cursor_ptr, p, pairs, num_experts):
+        """Pairs ``p`` each take the next row of their expert's group (in no set
+        order within the group: each row's GEMM result does not depend on its
+        place)."""
         expert = tl.load(ids_ptr + p, mask=p < pairs, other=0)
         placed = (p < pairs) & (expert >= 0) & (expert < num_experts)
         expert = tl.where(placed, expert, 0).to(tl.int32)
         row = tl.atomic_add(cursor_ptr + expert, 1, mask=placed)
         tl.store(rows_ptr + row, p, mask=placed)
+
+    @triton.jit
+    def _place_pairs(
+        ids_ptr, rows_ptr, cursor_ptr, pairs, num_experts, CHUNK: tl.constexpr
+    ):
+        p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        _place_chunk(ids_ptr, rows_ptr, cursor_ptr, p, pairs, num_experts)
 
     @triton.jit
     def _round_to_e4m3(x, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEPS: tl.constexpr):
@@ -356,6 +368,49 @@ if triton is not None:
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
+    def _quantize_row(
+        x_row,
+        out_row,
+        scale_at,
+        cols,
+        fp8_max,
+        MIN_NORMAL: tl.constexpr,
+        SUBNORMAL_STEPS: tl.constexpr,
+        NAN_BYTE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ONE_PASS: tl.constexpr,
+    ):
+        """``quantize_per_row`` of the row at ``x_row`` into ``out_row`` and
+        ``scale_at``: ``scale = max(max|x|, 1e-12) / fp8_max``, ``x / scale``
+        clamped and rounded to FP8 (IEEE division, as the reference). ``ONE_PASS``:
+        the row fits one ``BLOCK``, read once."""
+        # NaN propagates as in the reference (a NaN row quantizes to NaN).
+        peak = tl.zeros((BLOCK,), tl.float32)
+        x = tl.zeros((BLOCK,), tl.float32)
+        for c0 in range(0, cols, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + c, mask=c < cols, other=0.0).to(tl.float32)
+            peak = tl.maximum(peak, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+        peak = tl.reduce(peak, 0, _max_with_nan)
+        scale = tl.math.div_rn(
+            tl.maximum(peak, 1e-12, propagate_nan=tl.PropagateNan.ALL), fp8_max
+        )
+        for c0 in range(0, cols, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            if not ONE_PASS:
+                x = tl.load(x_row + c, mask=c < cols, other=0.0).to(tl.float32)
+            q = tl.math.div_rn(x, scale)
+            q = tl.maximum(q, -fp8_max, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.minimum(q, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+            q = _round_to_e4m3(q, MIN_NORMAL, SUBNORMAL_STEPS)
+            # The cast is exact (q is an e4m3 value); NaN gets the format's NaN
+            # byte explicitly (the interpreter's cast turns it into a number).
+            bits = q.to(out_row.dtype.element_ty).to(tl.uint8, bitcast=True)
+            bits = tl.where(q != q, NAN_BYTE, bits)
+            tl.store(out_row.to(tl.pointer_type(tl.uint8)) + c, bits, mask=c < cols)
+        tl.store(scale_at, scale)
+
+    @triton.jit
     def _quantize_rows(
         x_ptr,
         out_ptr,
@@ -371,42 +426,80 @@ if triton is not None:
         SUBNORMAL_STEPS: tl.constexpr,
         NAN_BYTE: tl.constexpr,
         BLOCK: tl.constexpr,
+        ONE_PASS: tl.constexpr,
     ):
-        """``quantize_per_row`` of one row: ``scale = max(max|x|, 1e-12) / fp8_max``,
-        ``x / scale`` clamped and rounded to FP8 (IEEE division, as the reference).
-        ``SKIP_UNUSED``: a padding row (``rows`` -1, or past ``used_rows``) is left
-        as it is; the down GEMM masks it."""
+        """``_quantize_row`` of each row, a program a row. ``SKIP_UNUSED``: a
+        padding row (``rows`` -1, or past ``used_rows``) is left as it is; the down
+        GEMM masks it."""
         row = tl.program_id(0)
         if SKIP_UNUSED:
             if row >= tl.load(used_rows_ptr):
                 return
             if tl.load(rows_ptr + row) < 0:
                 return
-        base = x_ptr + row.to(tl.int64) * stride_x
-        # NaN propagates as in the reference (a NaN row quantizes to NaN).
-        peak = tl.zeros((BLOCK,), tl.float32)
-        for c0 in range(0, cols, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            x = tl.load(base + c, mask=c < cols, other=0.0).to(tl.float32)
-            peak = tl.maximum(peak, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-        peak = tl.reduce(peak, 0, _max_with_nan)
-        scale = tl.math.div_rn(
-            tl.maximum(peak, 1e-12, propagate_nan=tl.PropagateNan.ALL), fp8_max
-        )
-        out = out_ptr + row.to(tl.int64) * stride_out
-        for c0 in range(0, cols, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            x = tl.load(base + c, mask=c < cols, other=0.0).to(tl.float32)
-            q = tl.math.div_rn(x, scale)
-            q = tl.maximum(q, -fp8_max, propagate_nan=tl.PropagateNan.ALL)
-            q = tl.minimum(q, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-            q = _round_to_e4m3(q, MIN_NORMAL, SUBNORMAL_STEPS)
-            # The cast is exact (q is an e4m3 value); NaN gets the format's NaN
-            # byte explicitly (the interpreter's cast turns it into a number).
-            bits = q.to(out_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
-            bits = tl.where(q != q, NAN_BYTE, bits)
-            tl.store(out.to(tl.pointer_type(tl.uint8)) + c, bits, mask=c < cols)
-        tl.store(scale_ptr + row, scale)
+        _quantize_row(
+            x_ptr + row.to(tl.int64) * stride_x,
+            out_ptr + row.to(tl.int64) * stride_out,
+            scale_ptr + row, cols, fp8_max,
+            MIN_NORMAL, SUBNORMAL_STEPS, NAN_BYTE, BLOCK, ONE_PASS,
+        )  # fmt: skip
+
+    @triton.jit
+    def _group_and_quantize(
+        ids_ptr,
+        rows_ptr,
+        block_expert_ptr,
+        cursor_ptr,
+        used_rows_ptr,
+        pairs,
+        capacity,
+        num_experts,
+        z_ptr,
+        z_q_ptr,
+        z_scale_ptr,
+        out_ptr,
+        cols,
+        fp8_max,
+        BLOCK_M: tl.constexpr,
+        BINS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCKS_A_STEP: tl.constexpr,
+        PLACE: tl.constexpr,
+        MIN_NORMAL: tl.constexpr,
+        SUBNORMAL_STEPS: tl.constexpr,
+        NAN_BYTE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ONE_PASS: tl.constexpr,
+    ):
+        """What the GEMMs need, in one launch. Program 0 groups the pairs by
+        expert (``_plan_groups``), and with ``PLACE`` places them too (else
+        ``_place_pairs`` follows); program ``1 + t`` quantizes token ``t``'s
+        latent to FP8 and zeroes its output row, which the down GEMM adds into
+        (``z``, its FP8 copy and the output: contiguous rows of ``cols``)."""
+        program = tl.program_id(0)
+        if program == 0:
+            _plan_groups(
+                ids_ptr, rows_ptr, block_expert_ptr, cursor_ptr, used_rows_ptr,
+                pairs, capacity, num_experts, BLOCK_M, BINS, CHUNK, BLOCKS_A_STEP,
+            )  # fmt: skip
+            if PLACE:
+                # The rows' -1 and the cursor, stored by any of the program's
+                # threads, seen by all before the placing.
+                tl.debug_barrier()
+                for p0 in range(0, pairs, CHUNK):
+                    p = p0 + tl.arange(0, CHUNK)
+                    _place_chunk(ids_ptr, rows_ptr, cursor_ptr, p, pairs, num_experts)
+        else:
+            token = (program - 1).to(tl.int64)
+            _quantize_row(
+                z_ptr + token * cols, z_q_ptr + token * cols,
+                z_scale_ptr + token, cols, fp8_max,
+                MIN_NORMAL, SUBNORMAL_STEPS, NAN_BYTE, BLOCK, ONE_PASS,
+            )  # fmt: skip
+            out_row = out_ptr + token * cols
+            for c0 in range(0, cols, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                tl.store(out_row + c, tl.zeros((BLOCK,), tl.float32), mask=c < cols)
 
     @triton.jit
     def _accumulate(
@@ -641,11 +734,44 @@ def group_capacity(pairs: int, num_experts: int, block_m: int) -> int:
     return capacity * block_m
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
-    """``sort_by_expert`` in two Triton launches, nothing read back: the same
-    ``(rows, block_expert, used_rows)`` except the order of the pairs within an
-    expert's group (which the GEMMs do not depend on); ``rows`` is int32. A pair
-    routed outside ``[0, num_experts)`` (another rank's expert) is not placed."""
+# Pairs the grouping program places itself (one chunk); past that a launch of
+# ``_place_pairs`` places them, a program a chunk.
+GROUPING_CHUNK = 1024
+# Rows up to this wide are quantized from one read (the whole row in registers).
+ONE_PASS_COLS = 8192
+
+
+def _row_blocking(cols: int) -> dict:
+    block = triton.next_power_of_2(max(1, cols))
+    if block <= ONE_PASS_COLS:
+        return {"BLOCK": block, "ONE_PASS": True}
+    return {"BLOCK": 1024, "ONE_PASS": False}
+
+
+class Prepared(NamedTuple):
+    """``prepare_rows``' results: the groups (``sort_by_expert``'s ``rows``,
+    ``block_expert`` and ``used_rows``, int32, the pairs in no set order within an
+    expert's group), the FP8 latent and its scales, and the zeroed output."""
+
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    used_rows: torch.Tensor
+    z_q: torch.Tensor | None
+    z_scale: torch.Tensor | None
+    out: torch.Tensor | None
+
+
+def prepare_rows(
+    ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    z: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> Prepared:
+    """The pairs grouped by expert and, with ``z``, its rows quantized to
+    ``dtype`` and a zeroed fp32 output of its shape: one launch (two past
+    ``GROUPING_CHUNK`` pairs), nothing read back. A pair routed outside ``[0,
+    num_experts)`` (another rank's expert) is not placed."""
     flat = ids.reshape(-1).contiguous()
     pairs = flat.numel()
     capacity = group_capacity(pairs, num_experts, block_m)
@@ -655,16 +781,39 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
     bins = triton.next_power_of_2(num_experts + 1)
     cursor = torch.empty(bins, dtype=torch.int32, device=device)
     used_rows = torch.empty(1, dtype=torch.int32, device=device)
-    _plan_expert_blocks[(1,)](
+    tokens, cols, z_q, z_scale, out = 0, 0, None, None, None
+    quantizing = {"MIN_NORMAL": 1.0, "SUBNORMAL_STEPS": 1.0, "NAN_BYTE": 0}
+    if z is not None:
+        z = z.contiguous()
+        tokens, cols = z.shape
+        z_q = torch.empty(tokens, cols, dtype=dtype, device=device)
+        z_scale = torch.empty(tokens, dtype=torch.float32, device=device)
+        out = torch.empty(tokens, cols, dtype=torch.float32, device=device)
+        quantizing = E4M3_RANGES[dtype]
+    place = pairs <= GROUPING_CHUNK
+    fp8_max = float(torch.finfo(dtype).max) if z is not None else 1.0
+    dummy = used_rows  # the pointers of an absent z: never read
+    _group_and_quantize[(1 + tokens,)](
         flat, rows, block_expert, cursor, used_rows, pairs, capacity, num_experts,
-        BLOCK_M=block_m, BINS=bins, CHUNK=1024,
-        BLOCKS_A_STEP=max(1, min(64, 8192 // bins)),
+        dummy if z is None else z, dummy if z_q is None else z_q,
+        dummy if z_scale is None else z_scale, dummy if out is None else out,
+        cols, fp8_max,
+        BLOCK_M=block_m, BINS=bins, CHUNK=GROUPING_CHUNK,
+        BLOCKS_A_STEP=max(1, min(64, 8192 // bins)), PLACE=place,
+        **quantizing, **_row_blocking(cols),
     )  # fmt: skip
-    if pairs:
-        _place_pairs[(triton.cdiv(pairs, 1024),)](
-            flat, rows, cursor, pairs, num_experts, CHUNK=1024
+    if pairs and not place:
+        _place_pairs[(triton.cdiv(pairs, GROUPING_CHUNK),)](
+            flat, rows, cursor, pairs, num_experts, CHUNK=GROUPING_CHUNK
         )
-    return rows, block_expert, used_rows
+    return Prepared(rows, block_expert, used_rows, z_q, z_scale, out)
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
+    """``sort_by_expert`` in Triton (``prepare_rows`` without a latent): the same
+    ``(rows, block_expert, used_rows)`` except the order of the pairs within an
+    expert's group (which the GEMMs do not depend on); ``rows`` is int32."""
+    return prepare_rows(ids, num_experts, block_m)[:3]
 
 
 def quantize_rows(
@@ -686,8 +835,7 @@ def quantize_rows(
     _quantize_rows[(count,)](
         x, values, scale, rows if skip else scale, used_rows if skip else scale,
         cols, x.stride(0), values.stride(0), float(torch.finfo(dtype).max),
-        SKIP_UNUSED=skip, BLOCK=min(1024, triton.next_power_of_2(cols)),
-        **E4M3_RANGES[dtype],
+        SKIP_UNUSED=skip, **_row_blocking(cols), **E4M3_RANGES[dtype],
     )  # fmt: skip
     return values, scale
 
@@ -812,11 +960,11 @@ def latent_moe(
     num_experts = experts.w13.shape[0]
     inner = experts.w13.shape[1] // 2
     fmt = FORMATS[experts.fmt]
-    z_q, z_scale = quantize_rows(z.contiguous(), dtype)
-    rows, block_expert, used_rows = group_by_expert(ids, num_experts, block_m)
-    out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
-    if rows.numel() == 0:
-        return out
+    if ids.numel() == 0:  # no pair: nothing to group, quantize or add
+        return torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
+    rows, block_expert, used_rows, z_q, z_scale, out = prepare_rows(
+        ids, num_experts, block_m, z, dtype
+    )
     # Padding rows of h are never written, quantized or read.
     h = torch.empty(rows.numel(), inner, dtype=torch.float32, device=z.device)
     if swap_ab is None:

@@ -240,10 +240,11 @@ def _cases(fp8: torch.dtype):
 
         return call
 
-    def moe(fmt, tokens=3):
+    def moe(fmt, tokens=3, latent=256, inner=128):
         def call():
-            z = torch.randn(tokens, 256)
-            w13, w2 = torch.randn(8, 256, 256), torch.randn(8, 256, 128)
+            z = torch.randn(tokens, latent)
+            w13 = torch.randn(8, 2 * inner, latent)
+            w2 = torch.randn(8, latent, inner)
             if fmt == "mxfp4":
                 experts, fp8_dtype = latent_moe.mxfp4_experts_from(w13, w2), fp8
             else:
@@ -306,6 +307,9 @@ def _cases(fp8: torch.dtype):
         ("latent moe mxfp4, 300 tokens", latent_moe, moe("mxfp4", 300)),
         # Past 1,024 tokens (per-channel FP8 took 128-row blocks there before).
         ("latent moe fp8, 1100 tokens", latent_moe, moe("fp8", 1100)),
+        # K3's widths: its rows are quantized from one read (the whole row in
+        # registers), a block of 4,096.
+        ("latent moe fp8, K3 widths", latent_moe, moe("fp8", 1, 3584, 3072)),
         ("kda decode", kda_decode, kda_step),
         ("kda chunk terms", kda_chunk_terms, terms(16, torch.float32)),
         ("kda chunk terms bf16", kda_chunk_terms, terms(16, torch.bfloat16)),

@@ -20,12 +20,13 @@ import pytest
 from tests.kernels.cross_compile import TARGETS
 
 MOE_KERNELS = (
-    "_plan_expert_blocks",
-    "_place_pairs",
+    "_group_and_quantize",
     "_quantize_rows",
     "_gate_up_situ",
     "_down_combine",
 )
+# Past 1,024 routed pairs a second launch places them.
+MOE_KERNELS_MANY_PAIRS = (*MOE_KERNELS, "_place_pairs")
 LAUNCHES = {
     f"{case}: {kernel}"
     for case, kernels in {
@@ -46,7 +47,8 @@ LAUNCHES = {
         "latent moe fp8, 300 tokens": MOE_KERNELS,
         "latent moe fp8-block, 300 tokens": MOE_KERNELS,
         "latent moe mxfp4, 300 tokens": MOE_KERNELS,
-        "latent moe fp8, 1100 tokens": MOE_KERNELS,
+        "latent moe fp8, 1100 tokens": MOE_KERNELS_MANY_PAIRS,
+        "latent moe fp8, K3 widths": MOE_KERNELS,
         "kda decode": ("_kda_decode_step", "_shift_conv_state"),
         "kda chunk terms": ("_chunk_terms",),
         "kda chunk terms bf16": ("_chunk_terms",),

@@ -105,17 +105,18 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
         quantized.append((x.clone(), values, scale))
         return values, scale
 
-    groups, group = [], moe.group_by_expert
+    prepared, prepare = [], moe.prepare_rows
 
-    def recording_groups(*args):
-        groups.append(group(*args))
-        return groups[-1]
+    def recording_preparation(*args):
+        prepared.append(prepare(*args))
+        return prepared[-1]
 
     monkeypatch.setattr(moe, "quantize_rows", recording)
-    monkeypatch.setattr(moe, "group_by_expert", recording_groups)
+    monkeypatch.setattr(moe, "prepare_rows", recording_preparation)
     got = moe.latent_moe(z, ids, weights, packed, swap_ab=swap_ab, imprecise_products=0)
-    (_, z_q, z_scale), (h, h_q, h_scale) = quantized  # z's, then the intermediate's
-    ((rows, block_expert, _),) = groups  # the kernel's own order of the pairs
+    ((h, h_q, h_scale),) = quantized  # the intermediate's
+    # The kernel's own order of the pairs, and the latent's FP8 values.
+    ((rows, block_expert, _, z_q, z_scale, _),) = prepared
     rows, block_expert = rows.long(), block_expert.long()
     pairs = rows[rows >= 0]
     expert_of_row = block_expert.repeat_interleave(16)[rows >= 0]
@@ -319,7 +320,8 @@ def test_pairs_routed_to_other_ranks_experts_are_left_out(fmt):
         (1, 8, 2, 16),
         (33, 16, 4, 16),
         (4, 896, 16, 16),
-        (300, 112, 16, 64),
+        (64, 112, 16, 16),  # 1,024 pairs: the most the grouping program places
+        (300, 112, 16, 64),  # past it: a second launch places them
     ],
 )
 def test_grouping_kernel_forms_the_reference_groups(tokens, experts, top_k, block_m):
@@ -340,26 +342,60 @@ def test_grouping_kernel_forms_the_reference_groups(tokens, experts, top_k, bloc
     assert torch.equal(blocks, want_rows.view(-1, block_m).sort(dim=1).values)
 
 
+@pytest.mark.parametrize("cols", [1000, 9000], ids=["one read", "two reads"])
 @pytest.mark.parametrize(
     "dtype",
     FP8_DTYPES_HERE,
     ids=str,
 )
-def test_row_quantization_kernel_is_bit_exact(dtype):
+def test_row_quantization_kernel_is_bit_exact(dtype, cols):
     """The Triton row quantizer gives the reference's FP8 values and scales bit for
     bit, across 11 decades (subnormals included), on exact ties and on the values
-    that round up into the next binade."""
+    that round up into the next binade; alone (the intermediate's) and where
+    ``prepare_rows`` quantizes the latent, rows read once (up to 8,192 wide) or
+    twice. ``prepare_rows`` also gives a zeroed output of the latent's shape."""
     torch.manual_seed(0)
-    x = torch.randn(6, 1000) * torch.logspace(-8, 3, 1000)
+    x = torch.randn(6, cols) * torch.logspace(-8, 3, cols)
     fp8_max = torch.finfo(dtype).max
     grid = torch.arange(-fp8_max, fp8_max + 1, 0.5)
-    x[0, : grid.numel()] = grid[:1000]  # every half-step tie from -max up
+    x[0, : grid.numel()] = grid[:cols]  # every half-step tie from -max up
     x[1, :4] = torch.tensor([fp8_max, 124.3, -124.3, 0.0])
     x[2] = 0.0  # an all-zero row: the 1e-12 floor
-    values, scale = moe.quantize_rows(x.to(DEVICE), dtype)
     want_values, want_scale = moe.quantize_per_row(x, dtype)
-    assert torch.equal(scale.cpu(), want_scale)
-    assert torch.equal(values.cpu().float(), want_values.float())
+    ids = torch.zeros(6, 1, dtype=torch.int64, device=DEVICE)
+    prepared = moe.prepare_rows(ids, 2, 16, x.to(DEVICE), dtype)
+    for values, scale in (
+        moe.quantize_rows(x.to(DEVICE), dtype),
+        (prepared.z_q, prepared.z_scale),
+    ):
+        assert torch.equal(scale.cpu(), want_scale)
+        assert torch.equal(values.cpu().float(), want_values.float())
+    assert torch.equal(prepared.out.cpu(), torch.zeros(6, cols))
+
+
+@pytest.mark.parametrize("fmt", list(BUILDERS))
+@pytest.mark.parametrize(("tokens", "block_m"), [(5, 16), (300, 64)])
+def test_buffers_left_unset_are_never_read(fmt, tokens, block_m, monkeypatch):
+    """Every buffer the launcher allocates without zeroing (the output, which the
+    grouping launch zeroes; the intermediate's padding rows) starts as NaN and
+    garbage here, and the result is the same as from zeroed buffers."""
+    z, ids, weights, w13, w2 = _case(tokens, 8, 2)
+    packed = BUILDERS[fmt](w13, w2)
+    options = {"block_m": block_m, "imprecise_products": 0}
+    clean = moe.latent_moe(z, ids, weights, packed, **options)
+    empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        if tensor.dtype.is_floating_point:
+            return tensor.fill_(float("nan"))
+        return tensor.fill_(2**30 if tensor.dtype != torch.uint8 else 255)
+
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    got = moe.latent_moe(z, ids, weights, packed, **options)
+    monkeypatch.setattr(torch, "empty", empty)
+    assert not got.isnan().any()
+    assert torch.equal(got, clean)
 
 
 @pytest.mark.skipif(not FNUZ_RUNS_HERE, reason="e4m3fnuz runs on gfx94x only")
