@@ -13,8 +13,9 @@ job in the same process:
   3072): exact sums (``imprecise_products=0``); the default (Hopper's narrow FP8
   accumulation over each K tile, the down GEMM's column blocks first); the down
   GEMM's row blocks first (``down_rows_first``); never promoting (as vLLM's
-  ``fused_moe``); from 256 tokens 128-row blocks at 8 warps, and K tiles of 256
-  (a promotion every 256 products); vLLM's two GEMMs
+  ``fused_moe``); under 256 tokens 2 pipeline stages; from 256 tokens
+  128-row blocks at 8 warps (vLLM's large-batch tiles), promoting each K tile
+  and never, and K tiles of 256 (a promotion every 256 products); vLLM's two GEMMs
   alone; each variant's gap to the exact sums' output, and of the gate/up GEMM's
   output alone. Then the same experts as MXFP4 (``tl.dot_scaled``) at the
   default tiles.
@@ -201,8 +202,20 @@ def compare_moe(device, shapes: Shapes) -> None:
             ("rows-first", {"down_rows_first": True}),
             ("never", {"imprecise_products": None}),
         ]
+        if tokens < shapes.large_batch:
+            # 2 stages: at one token the gate/up GEMM's 768 programs fill 1.45
+            # waves of 4 a multiprocessor at 3 (55 KB of shared memory each).
+            variants.append(("s2", {"num_stages": 2}))
         if tokens >= shapes.large_batch:
             variants.append(("bm128 w8", {"block_m": 128, "num_warps": 8}))
+            # vLLM's large-batch tiles (128 x 128, 8 warps) and its accumulation:
+            # how much of the gap to its GEMMs is the promotion into fp32 alone.
+            variants.append(
+                (
+                    "bm128 w8 never",
+                    {"block_m": 128, "num_warps": 8, "imprecise_products": None},
+                )
+            )
             # K tiles of 256: half the promotions into fp32 (one a tile).
             variants.append(("bk256", {"block_k": 256}))
         variants.append(("mxfp4", {"experts": mxfp4}))

@@ -4,7 +4,7 @@ latent 3584, inner 3072) at 1, 16, 256 and 4,096 tokens, FP8 and MXFP4 alike:
 block_m 16 (under 256 tokens) or 64/128, block_n x block_k 64 x 128 and 128 x 128
 (the gate/up dot is 2 x block_n wide), 4 warps, and from 256 tokens 8 too (a 128 x
 256 gate/up accumulator needs two warp groups), 3 and 4 pipeline stages; under 256
-tokens each with the dots both ways (``swap_ab``). Prints
+tokens each with the dots both ways (``swap_ab``) and 2 stages too. Prints
 the default and the four fastest per token count, and, for FP8, what the steps
 around the GEMMs take alone (the expert grouping, the activations' quantization)
 next to vLLM's two GEMMs.
@@ -51,7 +51,11 @@ def sweep(
     large = tokens >= large_batch
     block_ms = (64, 128) if large else (16,)
     warps = (4, 8) if large else (4,)
-    configs = itertools.product(block_ms, ((64, 128), (128, 128)), warps, (3, 4))
+    # Under 256 tokens 2 stages too: at one token the gate/up GEMM's 768 programs
+    # (16 experts x 48 column blocks) fill 1.45 waves of 4 a multiprocessor at 3
+    # stages (55 KB of shared memory each); at 2 stages 6 fit, one wave.
+    stages = (3, 4) if large else (2, 3, 4)
+    configs = itertools.product(block_ms, ((64, 128), (128, 128)), warps, stages)
     # Under 64-row blocks both orientations of the dots (None: the default).
     swaps = (None,) if large else (True, False)
     results, default_us = [], float("nan")

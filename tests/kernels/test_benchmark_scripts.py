@@ -67,9 +67,10 @@ def test_variant_comparison_runs_its_smoke_shapes():
     lines = out.splitlines()
     moe = [timings(line) for line in lines if re.match(r"MoE T=\d+: ", line)]
     common = {"exact", "default", "rows-first", "never", "mxfp4", "vLLM GEMMs"}
-    assert [row.keys() for row in moe] == [common, common | {"bm128 w8", "bk256"}]
+    large = {"bm128 w8", "bm128 w8 never", "bk256"}
+    assert [row.keys() for row in moe] == [common | {"s2"}, common | large]
     gaps = re.findall(r"(\S+) gap ([\d.e+-]+), gate/up ([\d.e+-]+)", out)
-    assert len(gaps) == 3 + 5
+    assert len(gaps) == 4 + 6
     assert all(float(whole) == 0 and float(gemm) == 0 for _, whole, gemm in gaps)
     mla = [
         timings(line)
