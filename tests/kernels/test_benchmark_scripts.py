@@ -62,7 +62,8 @@ def test_variant_comparison_runs_its_smoke_shapes():
     beside them, and each variant's output gap to the reference variant. Under the
     interpreter the sums are exact whatever the accumulation option, so an
     accumulation variant's gap must be exactly 0, and the MLA variants (the same
-    math in another order or layout) within fp32 rounding."""
+    math in another order or layout) within fp32 rounding, or bf16's where the
+    split count changes."""
     out = run_smoke("compare_variants.py")
     lines = out.splitlines()
     moe = [timings(line) for line in lines if re.match(r"MoE T=\d+: ", line)]
@@ -79,11 +80,14 @@ def test_variant_comparison_runs_its_smoke_shapes():
     ]
     assert [row.keys() for row in mla] == [
         {"default", "fp16-pairs", "w8", "prefetch", "prefetch w4", "vLLM"},
-        {"default", "w8", "prefetch", "vLLM"},
+        {"default", "w8", "prefetch", "splits x2", "vLLM"},
     ]
     mla_gaps = re.findall(r"; ([\w -]+) gap ([\d.e+-]+)(?=;|$)", out, re.MULTILINE)
-    assert len(mla_gaps) == 4 + 2
-    assert all(float(gap) <= 1e-4 for _, gap in mla_gaps), mla_gaps
+    assert len(mla_gaps) == 4 + 3
+    # Another split count rounds the bf16 path's probabilities (bf16 for the
+    # PV dot) at another running max: within bf16's 2^-8, not fp32 rounding.
+    bounds = {"splits x2": 2**-8}
+    assert all(float(gap) <= bounds.get(label, 1e-4) for label, gap in mla_gaps)
     assert out.count(", by kernel: ") == 2 * 2 + 2 * 2
 
 
