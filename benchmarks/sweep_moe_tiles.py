@@ -5,11 +5,11 @@ block_m 16 (under 256 tokens) or 64/128, block_n x block_k 64 x 128 and 128 x 12
 (the gate/up dot is 2 x block_n wide), 4 warps, and from 256 tokens 8 too (a 128 x
 256 gate/up accumulator needs two warp groups), 3 and 4 pipeline stages; under 256
 tokens each with the dots both ways (``swap_ab``) and 2 stages too. Prints
-the default and the four fastest per token count, and, for FP8, what the steps
-around the GEMMs take alone (the expert grouping, the activations' quantization)
-next to vLLM's two GEMMs.
+the default and the four fastest per token count, and, for FP8, what the launch
+before the GEMMs takes alone (the expert grouping, the activations' quantization,
+the zeroed output) next to vLLM's two GEMMs.
 
-    python benchmarks/sweep_moe_tiles.py          # on a GPU; about 3 minutes
+    python benchmarks/sweep_moe_tiles.py          # on a GPU; about 5 minutes
     python benchmarks/sweep_moe_tiles.py --smoke  # tiny shapes, CPU interpreter
 
 ``latent_moe.default_tiles`` is set from its output, kept in
@@ -113,10 +113,15 @@ def run_sweeps(device, shape, token_counts, large_batch) -> None:
             packed, "fp8", tokens, z, ids, weights, microseconds, large_batch
         )
         block_m = moe.default_tiles("fp8", tokens)[0]
-        grouping = microseconds(
-            lambda ids=ids, bm=block_m: moe.group_by_expert(ids, num_experts, bm)
-        )
-        quantize = microseconds(lambda z=z: moe.quantize_rows(z, moe.FP8))
+        try:  # the launch before the GEMMs: grouping, FP8 latent, zeroed output
+            preparation = microseconds(
+                lambda ids=ids, bm=block_m, z=z: moe.prepare_rows(
+                    ids, num_experts, bm, z, moe.FP8
+                )
+            )
+            preparation = f"{preparation:.1f}us"
+        except Exception as error:  # reported, the sweep goes on
+            preparation = f"failed ({error!r:.80})"
         try:
             from vllm_baselines import VllmLatentMoe
 
@@ -124,8 +129,8 @@ def run_sweeps(device, shape, token_counts, large_batch) -> None:
         except Exception as error:  # a baseline that does not run is reported
             vllm = f"failed ({error!r:.80})"
         print(
-            f"T={tokens} fp8 default={default_us:.1f}us best: {best}; grouping "
-            f"{grouping:.1f}us, z quantization {quantize:.1f}us; vLLM GEMMs {vllm}us",
+            f"T={tokens} fp8 default={default_us:.1f}us best: {best}; preparation "
+            f"{preparation}; vLLM GEMMs {vllm}us",
             flush=True,
         )
         default_us, best = sweep(

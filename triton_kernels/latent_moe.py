@@ -7,17 +7,18 @@ On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weigh
 1. one launch (``prepare_rows``): the (token, slot) pairs are grouped by expert and
    padded per ``BLOCK_M`` block, and beside the grouping program, one a token, the
    activations are quantized to FP8 (``scale = max|z_t| / fp8_max``) and the
-   output rows zeroed (past 1,024 pairs a second launch places the pairs);
+   output rows zeroed (past 1,024 pairs, and on AMD, a second launch places the
+   pairs);
 2. the gate/up GEMM, per block, against ``w13`` ``[E, 2I, L]`` (one dot over gate
    and up rows interleaved), dequantized, SiTU-GLU -> ``h`` ``[pairs, I]``;
 3. ``h`` is requantized to FP8 per row;
 4. the down GEMM, per block, against ``w2`` ``[E, L, I]``, dequantized, times the
    routing weight, added into the token's output row.
 
-Four launches at decode sizes: each launch costs a few microseconds of its own
-even in a CUDA graph, next to GEMMs of about 130 µs at one token on an H200
-(a grouping and a quantization of one token took 5-6 µs each in a graph replay,
-``benchmarks/results/moe_tiles_h200.txt``).
+Four launches at decode sizes (five on AMD): each launch costs a few microseconds
+of its own even in a CUDA graph, next to GEMMs of about 130 µs at one token on an
+H200 (a grouping and a quantization of one token took 5-6 µs each in a graph
+replay, ``benchmarks/results/moe_tiles_h200.txt``).
 
 FP8 is OCP ``float8_e4m3fn`` (MI355X, CUDA) or ``float8_e4m3fnuz`` (gfx94x, max 240):
 FP8 weights carry their own dtype and the activations follow it; for MXFP4 weights the
@@ -465,6 +466,7 @@ if triton is not None:
         CHUNK: tl.constexpr,
         BLOCKS_A_STEP: tl.constexpr,
         PLACE: tl.constexpr,
+        QUANTIZE: tl.constexpr,
         MIN_NORMAL: tl.constexpr,
         SUBNORMAL_STEPS: tl.constexpr,
         NAN_BYTE: tl.constexpr,
@@ -484,12 +486,14 @@ if triton is not None:
             )  # fmt: skip
             if PLACE:
                 # The rows' -1 and the cursor, stored by any of the program's
-                # threads, seen by all before the placing.
+                # threads, seen by all before the placing: on NVIDIA the
+                # barrier (bar.sync) orders global memory too; on AMD it orders
+                # only shared memory, and the launcher does not place here.
                 tl.debug_barrier()
                 for p0 in range(0, pairs, CHUNK):
                     p = p0 + tl.arange(0, CHUNK)
                     _place_chunk(ids_ptr, rows_ptr, cursor_ptr, p, pairs, num_experts)
-        else:
+        elif QUANTIZE:  # (without a latent, no such program; nor its code)
             token = (program - 1).to(tl.int64)
             _quantize_row(
                 z_ptr + token * cols, z_q_ptr + token * cols,
@@ -769,9 +773,11 @@ def prepare_rows(
     dtype: torch.dtype | None = None,
 ) -> Prepared:
     """The pairs grouped by expert and, with ``z``, its rows quantized to
-    ``dtype`` and a zeroed fp32 output of its shape: one launch (two past
-    ``GROUPING_CHUNK`` pairs), nothing read back. A pair routed outside ``[0,
-    num_experts)`` (another rank's expert) is not placed."""
+    ``dtype`` (an FP8 dtype) and a zeroed fp32 output of its shape: one launch
+    (two past ``GROUPING_CHUNK`` pairs, and on AMD), nothing read back. A pair
+    routed outside ``[0, num_experts)`` (another rank's expert) is not placed."""
+    if z is not None and dtype not in FP8_DTYPES:
+        raise ValueError(f"the latent's FP8 dtype: one of {FP8_DTYPES}, not {dtype}")
     flat = ids.reshape(-1).contiguous()
     pairs = flat.numel()
     capacity = group_capacity(pairs, num_experts, block_m)
@@ -790,7 +796,9 @@ def prepare_rows(
         z_scale = torch.empty(tokens, dtype=torch.float32, device=device)
         out = torch.empty(tokens, cols, dtype=torch.float32, device=device)
         quantizing = E4M3_RANGES[dtype]
-    place = pairs <= GROUPING_CHUNK
+    # On AMD a barrier orders shared memory only: the placing, which must see
+    # the grouping program's stores, runs as a launch of its own there.
+    place = pairs <= GROUPING_CHUNK and not runtime.on_rocm()
     fp8_max = float(torch.finfo(dtype).max) if z is not None else 1.0
     dummy = used_rows  # the pointers of an absent z: never read
     _group_and_quantize[(1 + tokens,)](
@@ -800,6 +808,7 @@ def prepare_rows(
         cols, fp8_max,
         BLOCK_M=block_m, BINS=bins, CHUNK=GROUPING_CHUNK,
         BLOCKS_A_STEP=max(1, min(64, 8192 // bins)), PLACE=place,
+        QUANTIZE=z is not None,
         **quantizing, **_row_blocking(cols),
     )  # fmt: skip
     if pairs and not place:

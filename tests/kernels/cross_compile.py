@@ -258,6 +258,9 @@ def _cases(fp8: torch.dtype):
 
         return call
 
+    def grouping():
+        latent_moe.group_by_expert(torch.randint(0, 8, (3, 2)), 8, 16)
+
     def kda_step():
         heads, dim, channels = 2, 128, 256
         kda_decode.kda_decode(
@@ -310,6 +313,9 @@ def _cases(fp8: torch.dtype):
         # K3's widths: its rows are quantized from one read (the whole row in
         # registers), a block of 4,096.
         ("latent moe fp8, K3 widths", latent_moe, moe("fp8", 1, 3584, 3072)),
+        # The grouping alone (no latent: the quantizing programs' code is left
+        # out), as the sweeps and tests launch it.
+        ("moe grouping", latent_moe, grouping),
         ("kda decode", kda_decode, kda_step),
         ("kda chunk terms", kda_chunk_terms, terms(16, torch.float32)),
         ("kda chunk terms bf16", kda_chunk_terms, terms(16, torch.bfloat16)),

@@ -378,7 +378,9 @@ def test_row_quantization_kernel_is_bit_exact(dtype, cols):
 def test_buffers_left_unset_are_never_read(fmt, tokens, block_m, monkeypatch):
     """Every buffer the launcher allocates without zeroing (the output, which the
     grouping launch zeroes; the intermediate's padding rows) starts as NaN and
-    garbage here, and the result is the same as from zeroed buffers."""
+    garbage here, and the result is the same as from zeroed buffers. Bit for bit
+    on a GPU too: top-2 gives each output value two atomic adds onto zero, whose
+    order cannot change the sum (from three it could)."""
     z, ids, weights, w13, w2 = _case(tokens, 8, 2)
     packed = BUILDERS[fmt](w13, w2)
     options = {"block_m": block_m, "imprecise_products": 0}
