@@ -212,7 +212,7 @@ def compare_moe(device, shapes: Shapes) -> None:
             # 2 stages: at one token the gate/up GEMM's 768 programs fill 1.45
             # waves of 4 a multiprocessor at 3 (55 KB of shared memory each).
             variants.append(("s2", {"num_stages": 2}))
-        if tokens >= shapes.large_batch:
+        else:
             variants.append(("bm128 w8", {"block_m": 128, "num_warps": 8}))
             # vLLM's large-batch tiles (128 x 128, 8 warps) and its accumulation:
             # how much of the gap to its GEMMs is the promotion into fp32 alone.

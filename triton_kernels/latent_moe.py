@@ -787,7 +787,8 @@ def prepare_rows(
     bins = triton.next_power_of_2(num_experts + 1)
     cursor = torch.empty(bins, dtype=torch.int32, device=device)
     used_rows = torch.empty(1, dtype=torch.int32, device=device)
-    tokens, cols, z_q, z_scale, out = 0, 0, None, None, None
+    # Without a latent: no quantizing program, and stand-ins for its arguments.
+    tokens, cols, fp8_max, z_q, z_scale, out = 0, 0, 1.0, None, None, None
     quantizing = {"MIN_NORMAL": 1.0, "SUBNORMAL_STEPS": 1.0, "NAN_BYTE": 0}
     if z is not None:
         z = z.contiguous()
@@ -795,17 +796,15 @@ def prepare_rows(
         z_q = torch.empty(tokens, cols, dtype=dtype, device=device)
         z_scale = torch.empty(tokens, dtype=torch.float32, device=device)
         out = torch.empty(tokens, cols, dtype=torch.float32, device=device)
+        fp8_max = float(torch.finfo(dtype).max)
         quantizing = E4M3_RANGES[dtype]
     # On AMD a barrier orders shared memory only: the placing, which must see
     # the grouping program's stores, runs as a launch of its own there.
     place = pairs <= GROUPING_CHUNK and not runtime.on_rocm()
-    fp8_max = float(torch.finfo(dtype).max) if z is not None else 1.0
-    dummy = used_rows  # the pointers of an absent z: never read
+    latent_args = [used_rows if t is None else t for t in (z, z_q, z_scale, out)]
     _group_and_quantize[(1 + tokens,)](
         flat, rows, block_expert, cursor, used_rows, pairs, capacity, num_experts,
-        dummy if z is None else z, dummy if z_q is None else z_q,
-        dummy if z_scale is None else z_scale, dummy if out is None else out,
-        cols, fp8_max,
+        *latent_args, cols, fp8_max,
         BLOCK_M=block_m, BINS=bins, CHUNK=GROUPING_CHUNK,
         BLOCKS_A_STEP=max(1, min(64, 8192 // bins)), PLACE=place,
         QUANTIZE=z is not None,
