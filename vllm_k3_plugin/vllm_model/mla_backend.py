@@ -33,7 +33,7 @@ PAGE_ALIGNMENT = 16
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
-def k3_mla_decode(impl, q, kv_cache, attn_metadata, layer):
+def k3_mla_decode(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer):
     """``forward_mqa`` of our backends: ``(out [rows, H, kv_lora_rank], lse)``."""
     from vllm.platforms import current_platform
 
@@ -55,6 +55,7 @@ def k3_mla_decode(impl, q, kv_cache, attn_metadata, layer):
         block_table = block_table.repeat_interleave(rows, dim=0)
         seq_lens = seq_lens.repeat_interleave(rows)
         rows = 1
+    kv_cache = kv_c_and_k_pe_cache
     if kv_cache.dtype == torch.uint8:
         kv_cache = kv_cache.view(current_platform.fp8_dtype())
     out, lse = mla_decode(
@@ -81,8 +82,19 @@ class K3CpuMlaImpl(CPUMLAImpl):
         )
 
     def do_kv_cache_update(
-        self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale
+        self,
+        kv_c_normed,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        kv_cache_dtype,
+        k_scale,
+        skip_scale: bool = False,
     ) -> None:
+        # vLLM 0.33's ``MLAAttention.update_kv_cache`` passes ``skip_scale`` (the
+        # layer's scale is 1.0, so scaling may be skipped); 0.32 passes six
+        # arguments, and its parent takes six. Scaling by 1.0 is exact, so the flag
+        # changes no value and is not passed on.
         if kv_cache_dtype not in FP8_CACHE_DTYPES:
             return super().do_kv_cache_update(
                 kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale

@@ -1,0 +1,164 @@
+"""Every plugin class that extends a vLLM class still fits the installed vLLM.
+
+vLLM calls our overrides with its own signatures, and those drift between releases
+(0.33's ``MLAAttention.update_kv_cache`` passes ``do_kv_cache_update`` a seventh
+argument that 0.32 never did). For each override this checks, against the vLLM
+installed, that any call the base signature allows binds to ours: every positional
+parameter at its position, every keyword, every default the caller may leave out.
+It runs in each test environment, so each supported vLLM is audited.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from vllm_k3_plugin.vllm_adapter.parser import K3Parser
+from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
+from vllm_k3_plugin.vllm_adapter.tool_parser import K3ToolParser
+from vllm_k3_plugin.vllm_model.kda import KdaAttention
+from vllm_k3_plugin.vllm_model.mla_backend import K3CpuMlaBackend, K3CpuMlaImpl
+from vllm_k3_plugin.vllm_model.model import (
+    KimiK3ForCausalLM,
+    KimiK3ForConditionalGeneration,
+)
+
+
+def _plugin_classes() -> list[type]:
+    from vllm_k3_plugin.testing.force import ForceTokens
+
+    classes = [
+        K3Parser,
+        K3ReasoningParser,
+        K3ToolParser,
+        KdaAttention,
+        K3CpuMlaImpl,
+        K3CpuMlaBackend,
+        KimiK3ForCausalLM,
+        KimiK3ForConditionalGeneration,
+        ForceTokens,
+    ]
+    try:
+        from vllm_k3_plugin.vllm_model.mla_backend import gpu_mla_backend
+
+        backend = gpu_mla_backend()
+    except ImportError:  # vLLM's Triton MLA module needs a GPU build to import
+        return classes
+    return [*classes, backend, backend.get_impl_cls()]
+
+
+def _from_vllm(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == "vllm"
+
+
+def _overrides(cls: type):
+    """``(name, ours, vLLM's, the vLLM class)`` for each method we override, each
+    as the class attribute it is called through (a classmethod bound, so both sides
+    drop ``cls``). Members vLLM's classes inherit from outside vLLM (a Protocol's
+    generated ``__init__``) are not vLLM's signatures and are left out."""
+    for name in vars(cls):
+        if name.startswith("__") and name != "__init__":
+            continue
+        for base in cls.__mro__[1:]:
+            if not _from_vllm(base) or name not in vars(base):
+                continue
+            ours, theirs = getattr(cls, name), getattr(base, name)
+            defined_in = getattr(inspect.unwrap(theirs), "__module__", None) or ""
+            if callable(ours) and callable(theirs) and defined_in.startswith("vllm"):
+                yield name, ours, theirs, base
+            break
+
+
+def incompatibilities(ours, theirs) -> list[str]:
+    """How a call that ``theirs`` accepts could fail to bind to ``ours``."""
+    try:
+        mine, base = inspect.signature(ours), inspect.signature(theirs)
+    except (TypeError, ValueError):
+        return []
+    kinds = inspect.Parameter
+    my_params = list(mine.parameters.values())
+    takes_args = any(p.kind is kinds.VAR_POSITIONAL for p in my_params)
+    takes_kwargs = any(p.kind is kinds.VAR_KEYWORD for p in my_params)
+    my_positional = [
+        p
+        for p in my_params
+        if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    ]
+    problems = []
+    position = 0
+    for param in base.parameters.values():
+        if param.kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD):
+            wanted = "*args" if param.kind is kinds.VAR_POSITIONAL else "**kwargs"
+            has = takes_args if param.kind is kinds.VAR_POSITIONAL else takes_kwargs
+            if not has:
+                problems.append(f"vLLM's takes {wanted}; ours does not")
+            continue
+        if param.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD):
+            if position < len(my_positional):
+                mine_here = my_positional[position]
+                by_name = param.kind is kinds.POSITIONAL_OR_KEYWORD and position > 0
+                if by_name and mine_here.name != param.name and not takes_kwargs:
+                    problems.append(
+                        f"argument {position} is {param.name!r} in vLLM's, "
+                        f"{mine_here.name!r} in ours"
+                    )
+                if (
+                    param.default is not kinds.empty
+                    and mine_here.default is kinds.empty
+                ):
+                    problems.append(f"{param.name!r} may be left out; ours needs it")
+            elif not takes_args:
+                problems.append(f"vLLM's passes {param.name!r}; ours has no room")
+            position += 1
+            continue
+        # keyword-only
+        match = mine.parameters.get(param.name)
+        if match is None and not takes_kwargs:
+            problems.append(f"vLLM's takes keyword {param.name!r}; ours does not")
+        elif (
+            match is not None
+            and param.default is not kinds.empty
+            and match.default is kinds.empty
+        ):
+            problems.append(f"{param.name!r} may be left out; ours needs it")
+    for extra in my_positional[position:]:
+        if extra.default is kinds.empty:
+            problems.append(f"ours needs {extra.name!r}, which vLLM's never passes")
+    return problems
+
+
+OVERRIDES = [
+    pytest.param(ours, theirs, id=f"{cls.__name__}.{name}<{base.__name__}>")
+    for cls in _plugin_classes()
+    for name, ours, theirs, base in _overrides(cls)
+]
+
+
+def test_the_audit_sees_the_overrides():
+    names = {param.id for param in OVERRIDES}
+    assert "K3CpuMlaImpl.do_kv_cache_update<CPUMLAImpl>" in names
+    assert any(name.startswith("K3Parser.parse_delta<") for name in names)
+
+
+@pytest.mark.parametrize(("ours", "theirs"), OVERRIDES)
+def test_override_accepts_every_call_vllm_makes(ours, theirs):
+    assert incompatibilities(ours, theirs) == []
+
+
+@pytest.mark.parametrize("cls", _plugin_classes(), ids=lambda cls: cls.__name__)
+def test_no_abstract_method_left(cls):
+    assert not getattr(cls, "__abstractmethods__", frozenset())
+
+
+def test_the_check_finds_a_missing_argument():
+    def vllms(self, a, b, c, skip_scale: bool = False): ...
+
+    def six(self, a, b, c): ...
+
+    def seven(self, a, b, c, skip_scale=False): ...
+
+    assert incompatibilities(six, vllms) == [
+        "vLLM's passes 'skip_scale'; ours has no room"
+    ]
+    assert incompatibilities(seven, vllms) == []
