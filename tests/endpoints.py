@@ -64,10 +64,10 @@ def _joined(reasoning, content, calls_by_index, finish) -> Reply:
     )
 
 
-def _chat_request(ids, max_tokens, thinking, tools, stop) -> dict[str, Any]:
+def _chat_request(ids, max_tokens, thinking, tools, stop, messages) -> dict[str, Any]:
     return {
         "model": MODEL,
-        "messages": [{"role": "user", "content": PROMPT}],
+        "messages": messages or [{"role": "user", "content": PROMPT}],
         "temperature": 0,
         "max_tokens": max_tokens,
         "stop": stop,
@@ -76,10 +76,12 @@ def _chat_request(ids, max_tokens, thinking, tools, stop) -> dict[str, Any]:
     }
 
 
-def chat(url, ids, *, max_tokens, thinking=True, tools=None, stop=None) -> Reply:
+def chat(
+    url, ids, *, max_tokens, thinking=True, tools=None, stop=None, messages=None
+) -> Reply:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     response = client.chat.completions.create(
-        **_chat_request(ids, max_tokens, thinking, tools, stop)
+        **_chat_request(ids, max_tokens, thinking, tools, stop, messages)
     )
     choice = response.choices[0]
     message = choice.message
@@ -94,10 +96,12 @@ def chat(url, ids, *, max_tokens, thinking=True, tools=None, stop=None) -> Reply
     )
 
 
-def chat_stream(url, ids, *, max_tokens, thinking=True, tools=None, stop=None) -> Reply:
+def chat_stream(
+    url, ids, *, max_tokens, thinking=True, tools=None, stop=None, messages=None
+) -> Reply:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     stream = client.chat.completions.create(
-        **_chat_request(ids, max_tokens, thinking, tools, stop), stream=True
+        **_chat_request(ids, max_tokens, thinking, tools, stop, messages), stream=True
     )
     reasoning, content, finish = [], [], ""
     calls: dict[int, list[str]] = {}

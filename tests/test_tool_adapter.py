@@ -115,6 +115,34 @@ def test_ids_continue_after_the_calls_in_the_history(hf_tokenizer):
     assert whole.tool_call_ids == streamed.tool_call_ids == ("functions.get_weather:2",)
 
 
+@pytest.mark.parametrize("history_in_messages", [False, True])
+def test_ids_continue_the_count_the_server_gives(hf_tokenizer, history_in_messages):
+    """vLLM 0.33's scale-out generate server parses a request without messages and
+    says the conversation's earlier calls through ``set_history_tool_call_count``,
+    called after the parser is built, before it parses; the count it gives wins
+    over the request's own history."""
+    base = compare.our_parser_cls("kimi_k3")
+
+    class SeededByTheServer(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.set_history_tool_call_count(5)
+
+    messages = [{"role": "user", "content": "hi"}] if history_in_messages else []
+    request = ChatCompletionRequest.model_construct(
+        messages=messages, tools=_request().tools, tool_choice="auto"
+    )
+    ids = _ids(hf_tokenizer, SHAPES["reply-then-calls"].output)
+    whole = compare.parse_whole(SeededByTheServer, hf_tokenizer, ids, request)
+    streamed = compare.parse_streamed(SeededByTheServer, hf_tokenizer, ids, request)
+    assert whole.tool_call_ids == streamed.tool_call_ids
+    assert whole.tool_call_ids == (
+        "functions.get_weather:5",
+        "functions.write_file:6",
+        "functions.get_weather:7",
+    )
+
+
 def test_tool_choice_none_gives_no_calls_and_no_markup(hf_tokenizer):
     ids = _ids(hf_tokenizer, SHAPES["reply-then-calls"].output)
     whole, streamed = _both(hf_tokenizer, ids, _request(tool_choice="none"))

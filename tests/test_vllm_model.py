@@ -24,7 +24,7 @@ from openai import OpenAI
 
 from vllm_k3_plugin.testing.server import TINY_K3_ARGS, running_server
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
 OUR_CLASS = "vllm_k3_plugin.vllm_model.model:KimiK3ForConditionalGeneration"
 

@@ -33,7 +33,7 @@ from model_checks import greedy, prompts
 
 from vllm_k3_plugin.testing.server import TINY_K3_ARGS, running_server
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
 FP8_CACHE = ("--kv-cache-dtype", "fp8")
 # Kernel and reference agree to summation order where no FP8 rounding decision

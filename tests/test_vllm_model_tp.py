@@ -14,7 +14,7 @@ from model_checks import assert_close, greedy_concurrently, prompts, reference_l
 
 from vllm_k3_plugin.testing.server import TINY_K3_ARGS, running_server
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
 
 @pytest.fixture(scope="module")

