@@ -404,6 +404,11 @@ if triton is not None:
             q = tl.maximum(q, -fp8_max, propagate_nan=tl.PropagateNan.ALL)
             q = tl.minimum(q, fp8_max, propagate_nan=tl.PropagateNan.ALL)
             q = _round_to_e4m3(q, MIN_NORMAL, SUBNORMAL_STEPS)
+            if NAN_BYTE == 0x80:
+                # float8_e4m3fnuz has no negative zero: that byte is its NaN. A
+                # negative value that rounds to zero is stored as +0, not left to
+                # the cast (Triton 3.8's interpreter casts -0.0 to the NaN byte).
+                q = tl.where(q == 0.0, 0.0, q)
             # The cast is exact (q is an e4m3 value); NaN gets the format's NaN
             # byte explicitly (the interpreter's cast turns it into a number).
             bits = q.to(out_row.dtype.element_ty).to(tl.uint8, bitcast=True)
@@ -901,9 +906,15 @@ def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
     otherwise. Block scales took 16.2 ms at 128 against 10.0 at 64. 128-wide tiles
     for one token measured 7% faster in the sweep and 6% slower in the benchmark
     run after it: not taken. MXFP4 takes the FP8 tiles (untimed): its K tile of
-    128 covers four scale groups."""
+    128 covers four scale groups; from 256 tokens it takes K tiles of 64, two
+    groups. There, at 128, sm90's gate/up GEMM (the weights decoded to bf16 for
+    the dot) holds 255 registers, on the cap: Triton 3.5, 3.6 and 3.8 (vLLM
+    0.33's) spill 16 bytes, 3.9 none. At 64 it holds 248 (3.8) and 226 (3.9), two
+    programs a multiprocessor as before, and the down GEMM three instead of two
+    (``tests/kernels/cross_compile.py``). Untimed."""
     block_m = 64 if tokens >= 256 else 16
-    return block_m, 64, 128
+    block_k = 64 if fmt == "mxfp4" and tokens >= 256 else 128
+    return block_m, 64, block_k
 
 
 def latent_moe(
