@@ -1,5 +1,6 @@
 """What each tool shape of ``vllm_k3_plugin.shapes`` reads as when the model stopped
-itself: ``(reasoning, content, calls)``, each call ``(name, arguments text)``."""
+itself: ``(reasoning, content, calls)``, each call ``(name, arguments text)``; and a
+conversation whose first turn made calls, for the ids of the next."""
 
 from __future__ import annotations
 
@@ -24,3 +25,26 @@ TOOL_SHAPES = {
 def parsed(calls) -> tuple:
     """``calls`` as a client reads them: arguments parsed."""
     return tuple((name, json.loads(arguments)) for name, arguments in calls)
+
+
+def history_with_calls(count: int) -> list[dict]:
+    """A first turn that called ``get_weather`` ``count`` times (ids
+    ``functions.get_weather:0`` on), and the results: the next call is number
+    ``count``."""
+    ids = [f"functions.get_weather:{n}" for n in range(count)]
+    return [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"},
+                }
+                for call_id in ids
+            ],
+        },
+        *({"role": "tool", "tool_call_id": call_id, "content": "x"} for call_id in ids),
+    ]

@@ -15,31 +15,14 @@ import httpx
 import pytest
 
 from tests.endpoints import MODEL, chat, chat_stream
+from tests.expected_tools import history_with_calls
 from vllm_k3_plugin import vocab
 from vllm_k3_plugin.shapes import SHAPES, TOOLS
 
 pytestmark = pytest.mark.server
 
 EARLIER_CALLS = 2
-HISTORY = [
-    {"role": "user", "content": "Weather in Paris and Rome?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": f"functions.get_weather:{n}",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": "{}"},
-            }
-            for n in range(EARLIER_CALLS)
-        ],
-    },
-    *(
-        {"role": "tool", "tool_call_id": f"functions.get_weather:{n}", "content": "x"}
-        for n in range(EARLIER_CALLS)
-    ),
-]
+HISTORY = history_with_calls(EARLIER_CALLS)
 WANTED_IDS = (
     "functions.get_weather:2",
     "functions.write_file:3",
@@ -95,9 +78,7 @@ def test_generate_with_derender_continues_the_count(
     assert choice["finish_reason"] == "tool_calls"
 
 
-def test_streamed_derender_continues_the_count(
-    k3_server, second_turn, scale_out_parses_with_the_history_count
-):
+def test_streamed_derender_continues_the_count(k3_server, second_turn):
     _, body = second_turn
     generate = _rendered(k3_server, body)
     generate.update(stream=True, output_mode="tokens")

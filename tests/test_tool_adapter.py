@@ -18,7 +18,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.tool_parsers import ToolParserManager
 
 import vllm_k3_plugin
-from tests.expected_tools import TOOL_SHAPES, WEATHER
+from tests.expected_tools import TOOL_SHAPES, WEATHER, history_with_calls
 from vllm_k3_plugin import compare, vocab
 from vllm_k3_plugin.shapes import SHAPES, TOOLS
 from vllm_k3_plugin.vllm_adapter.tool_parser import K3ToolParser
@@ -87,29 +87,7 @@ def test_ids_are_unique_and_the_same_streamed_and_not(hf_tokenizer):
 
 
 def test_ids_continue_after_the_calls_in_the_history(hf_tokenizer):
-    history = [
-        {"role": "user", "content": "hi"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": f"functions.get_weather:{n}",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": "{}"},
-                }
-                for n in range(2)
-            ],
-        },
-        *(
-            {
-                "role": "tool",
-                "tool_call_id": f"functions.get_weather:{n}",
-                "content": "x",
-            }
-            for n in range(2)
-        ),
-    ]
+    history = history_with_calls(2)
     ids = _ids(hf_tokenizer, SHAPES["tools-in-think"].output)
     whole, streamed = _both(hf_tokenizer, ids, _request(messages=history))
     assert whole.tool_call_ids == streamed.tool_call_ids == ("functions.get_weather:2",)
