@@ -1,0 +1,97 @@
+"""The stand-in engine's steps, and which engine the test servers run.
+
+The servers on vLLM 0.33 run it under vLLM's real engine core; here its worker is
+stepped directly through the cases a short forced request never reaches: a prompt
+prefilled in chunks, a preempted request recomputed, requests finishing between
+steps.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_k3_plugin import vocab
+from vllm_k3_plugin.testing import server
+from vllm_k3_plugin.testing.standin_engine import _ForcedTokenWorker
+
+
+def _new(req_id, prompt_len, forced, computed=0):
+    return SimpleNamespace(
+        req_id=req_id,
+        prompt_token_ids=list(range(prompt_len)),
+        sampling_params=SimpleNamespace(extra_args={"k3_force_ids": forced}),
+        num_computed_tokens=computed,
+    )
+
+
+def _step(worker, scheduled, new=(), cached=(), finished=()):
+    """One step: ``scheduled`` req_id -> tokens; ``cached`` (req_id, computed)."""
+    worker.execute_model(
+        SimpleNamespace(
+            finished_req_ids=set(finished),
+            scheduled_new_reqs=list(new),
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[r for r, _ in cached],
+                num_computed_tokens=[c for _, c in cached],
+            ),
+            num_scheduled_tokens=dict(scheduled),
+        )
+    )
+    output = worker.sample_tokens(None)
+    return {r: output.sampled_token_ids[i] for r, i in output.req_id_to_index.items()}
+
+
+def test_forced_ids_then_the_stop_token():
+    worker = _ForcedTokenWorker(SimpleNamespace())
+    assert _step(worker, {"a": 5}, new=[_new("a", 5, [11, 12])]) == {"a": [11]}
+    assert _step(worker, {"a": 1}, cached=[("a", 5)]) == {"a": [12]}
+    assert _step(worker, {"a": 1}, cached=[("a", 6)]) == {"a": [vocab.END_OF_MSG_ID]}
+
+
+def test_a_chunked_prefill_samples_only_once_the_prompt_is_computed():
+    worker = _ForcedTokenWorker(SimpleNamespace())
+    assert _step(worker, {"a": 4}, new=[_new("a", 10, [7])]) == {"a": []}
+    assert _step(worker, {"a": 4}, cached=[("a", 4)]) == {"a": []}
+    assert _step(worker, {"a": 2}, cached=[("a", 8)]) == {"a": [7]}
+
+
+def test_a_prefix_cache_hit_counts_as_computed():
+    worker = _ForcedTokenWorker(SimpleNamespace())
+    assert _step(worker, {"a": 2}, new=[_new("a", 10, [9], computed=8)]) == {"a": [9]}
+
+
+def test_a_preempted_request_resumes_its_forced_ids_after_recomputing():
+    worker = _ForcedTokenWorker(SimpleNamespace())
+    _step(worker, {"a": 3}, new=[_new("a", 3, [1, 2, 3])])
+    _step(worker, {"a": 1}, cached=[("a", 3)])
+    # Preempted: prompt and both outputs recomputed from 0, in two chunks.
+    assert _step(worker, {"a": 3}, cached=[("a", 0)]) == {"a": []}
+    assert _step(worker, {"a": 2}, cached=[("a", 3)]) == {"a": [3]}
+
+
+def test_requests_finish_and_others_go_on():
+    worker = _ForcedTokenWorker(SimpleNamespace())
+    _step(worker, {"a": 2, "b": 2}, new=[_new("a", 2, [1]), _new("b", 2, [5, 6])])
+    assert _step(worker, {"b": 1}, cached=[("b", 2)], finished=["a"]) == {"b": [6]}
+    with pytest.raises(KeyError):
+        _step(worker, {"a": 1}, cached=[("a", 3)])
+
+
+def test_sample_tokens_needs_a_step():
+    with pytest.raises(RuntimeError, match="without execute_model"):
+        _ForcedTokenWorker(SimpleNamespace()).sample_tokens(None)
+
+
+@pytest.mark.parametrize(("chosen", "standin"), [("model", False), ("standin", True)])
+def test_the_engine_is_chosen_by_the_setting(monkeypatch, tmp_path, chosen, standin):
+    monkeypatch.setenv(server.ENGINE_ENV, chosen)
+    command = server.serve_command(tmp_path, 8000)
+    assert (server.STANDIN_EXECUTOR in command) is standin
+
+
+def test_an_unknown_engine_setting_is_refused(monkeypatch):
+    monkeypatch.setenv(server.ENGINE_ENV, "gpu")
+    with pytest.raises(ValueError, match="'model' or 'standin'"):
+        server.serves_the_model()
