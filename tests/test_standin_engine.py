@@ -71,6 +71,14 @@ def test_a_preempted_request_resumes_its_forced_ids_after_recomputing():
     assert _step(worker, {"a": 2}, cached=[("a", 3)]) == {"a": [3]}
 
 
+def test_a_preempted_request_back_among_the_new_ones_resumes():
+    """vLLM's V2 model runner schedules a resumed request as a new one."""
+    worker = _ForcedTokenWorker(SimpleNamespace())
+    _step(worker, {"a": 3}, new=[_new("a", 3, [1, 2, 3])])
+    _step(worker, {"a": 1}, cached=[("a", 3)])
+    assert _step(worker, {"a": 5}, new=[_new("a", 3, [1, 2, 3])]) == {"a": [3]}
+
+
 def test_requests_finish_and_others_go_on():
     worker = _ForcedTokenWorker(SimpleNamespace())
     _step(worker, {"a": 2, "b": 2}, new=[_new("a", 2, [1]), _new("b", 2, [5, 6])])

@@ -106,7 +106,7 @@ def test_ids_continue_the_count_the_server_gives(hf_tokenizer, history_in_messag
             super().__init__(*args, **kwargs)
             self.set_history_tool_call_count(5)
 
-    messages = [{"role": "user", "content": "hi"}] if history_in_messages else []
+    messages = history_with_calls(2) if history_in_messages else []
     request = ChatCompletionRequest.model_construct(
         messages=messages, tools=_request().tools, tool_choice="auto"
     )

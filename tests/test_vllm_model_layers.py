@@ -583,9 +583,10 @@ def test_each_rank_takes_its_slice_of_the_packed_experts(monkeypatch):
 def test_the_latent_cache_is_written_through_vllms_update_kv_cache(
     model, cache_dtype, k_scale
 ):
-    """vLLM's own ``MLAAttention.update_kv_cache`` (each version's signature: 0.33
-    adds ``skip_scale`` when the scale is 1.0) on a layer of our model, into our
-    CPU backend's write. Padding slots (-1) stay unwritten."""
+    """vLLM's own ``MLAAttention.update_kv_cache`` (each version's call: 0.33 passes
+    the write a seventh argument, ``skip_scale``, true for FP8 at scale 1.0) on a
+    layer of our model, into our CPU backend's write. Padding slots (-1) stay
+    unwritten."""
     from vllm.model_executor.layers.attention import MLAAttention
 
     from vllm_k3_plugin.vllm_model.mla_backend import K3CpuMlaImpl

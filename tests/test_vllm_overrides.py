@@ -10,42 +10,36 @@ It runs in each test environment, so each supported vLLM is audited.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 
 import pytest
 
-from vllm_k3_plugin.vllm_adapter.parser import K3Parser
-from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
-from vllm_k3_plugin.vllm_adapter.tool_parser import K3ToolParser
-from vllm_k3_plugin.vllm_model.kda import KdaAttention
-from vllm_k3_plugin.vllm_model.mla_backend import K3CpuMlaBackend, K3CpuMlaImpl
-from vllm_k3_plugin.vllm_model.model import (
-    KimiK3ForCausalLM,
-    KimiK3ForConditionalGeneration,
-)
+import vllm_k3_plugin
 
 
 def _plugin_classes() -> list[type]:
-    from vllm_k3_plugin.testing.force import ForceTokens
+    """Every class of the package with a vLLM class among its bases, found by
+    importing each module, and the GPU MLA backend's classes, which are built on
+    first use."""
+    from vllm_k3_plugin.vllm_model.mla_backend import gpu_mla_backend
 
-    classes = [
-        K3Parser,
-        K3ReasoningParser,
-        K3ToolParser,
-        KdaAttention,
-        K3CpuMlaImpl,
-        K3CpuMlaBackend,
-        KimiK3ForCausalLM,
-        KimiK3ForConditionalGeneration,
-        ForceTokens,
-    ]
-    try:
-        from vllm_k3_plugin.vllm_model.mla_backend import gpu_mla_backend
-
-        backend = gpu_mla_backend()
-    except ImportError:  # vLLM's Triton MLA module needs a GPU build to import
-        return classes
-    return [*classes, backend, backend.get_impl_cls()]
+    classes = {}
+    for module in pkgutil.walk_packages(
+        vllm_k3_plugin.__path__, vllm_k3_plugin.__name__ + "."
+    ):
+        for value in vars(importlib.import_module(module.name)).values():
+            if (
+                isinstance(value, type)
+                and value.__module__.startswith("vllm_k3_plugin")
+                and any(_from_vllm(base) for base in value.__mro__[1:])
+            ):
+                classes[value.__qualname__] = value
+    backend = gpu_mla_backend()
+    for cls in (backend, backend.get_impl_cls()):
+        classes[cls.__qualname__] = cls
+    return sorted(classes.values(), key=lambda cls: cls.__qualname__)
 
 
 def _from_vllm(cls: type) -> bool:
@@ -97,8 +91,17 @@ def incompatibilities(ours, theirs) -> list[str]:
         if param.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD):
             if position < len(my_positional):
                 mine_here = my_positional[position]
-                by_name = param.kind is kinds.POSITIONAL_OR_KEYWORD and position > 0
-                if by_name and mine_here.name != param.name and not takes_kwargs:
+                # A method's own first parameter is never passed by name.
+                by_name = param.kind is kinds.POSITIONAL_OR_KEYWORD and not (
+                    position == 0 and param.name in ("self", "cls")
+                )
+                # Passed by vLLM's name, it would leave ours unbound (**kwargs
+                # would take it) unless ours may be left out.
+                if (
+                    by_name
+                    and mine_here.name != param.name
+                    and mine_here.default is kinds.empty
+                ):
                     problems.append(
                         f"argument {position} is {param.name!r} in vLLM's, "
                         f"{mine_here.name!r} in ours"
@@ -139,6 +142,7 @@ def test_the_audit_sees_the_overrides():
     names = {param.id for param in OVERRIDES}
     assert "K3CpuMlaImpl.do_kv_cache_update<CPUMLAImpl>" in names
     assert any(name.startswith("K3Parser.parse_delta<") for name in names)
+    assert "ForcedTokenExecutor.execute_model<Executor>" in names
 
 
 @pytest.mark.parametrize(("ours", "theirs"), OVERRIDES)

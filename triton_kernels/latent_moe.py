@@ -910,7 +910,7 @@ def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
     groups. There, at 128, sm90's gate/up GEMM (the weights decoded to bf16 for
     the dot) holds 255 registers, on the cap: Triton 3.5, 3.6 and 3.8 (vLLM
     0.33's) spill 16 bytes, 3.9 none. At 64 it holds 248 (3.8) and 226 (3.9), two
-    programs a multiprocessor as before, and the down GEMM three instead of two
+    programs a multiprocessor, and the down GEMM fits three where 128 fits two
     (``tests/kernels/cross_compile.py``). Untimed."""
     block_m = 64 if tokens >= 256 else 16
     block_k = 64 if fmt == "mxfp4" and tokens >= 256 else 128

@@ -65,8 +65,9 @@ def expected_launches(target: str) -> set[str]:
     }
 
 
-# The oldest Triton the kernels support (vLLM 0.33's ROCm and CUDA builds ship
-# 3.5 or later), installed beside the venv by scripts/install.sh.
+# The oldest Triton the kernels support, installed beside the venv by
+# scripts/install.sh. The venv's own is 3.9 beside vLLM 0.32, and 3.8 beside 0.33
+# (what its torch 2.14 pin brings).
 OLDEST_TRITON = "3.5.0"
 OLDEST_TRITON_DIR = Path(sys.prefix) / f"triton-{OLDEST_TRITON}"
 

@@ -80,6 +80,18 @@ def test_kernel_matches_reference(fmt, tokens, experts, top_k):
         assert len(ids.unique()) <= tokens * top_k < experts
 
 
+def test_mxfp4_from_256_tokens_takes_k_tiles_of_64_and_matches_the_reference():
+    """The default tiles from 256 tokens: several 64-wide K tiles (two scale groups
+    each) in both GEMMs."""
+    tokens, latent, inner = 260, 256, 128
+    assert moe.default_tiles("mxfp4", tokens)[2] == 64
+    z, ids, weights, w13, w2 = _case(tokens, 8, 2, latent=latent, inner=inner)
+    packed = moe.mxfp4_experts_from(w13, w2)
+    got = moe.latent_moe(z, ids, weights, packed, imprecise_products=0)
+    expected = moe.latent_moe_reference(z, ids, weights, packed)
+    assert _agrees(got, expected)
+
+
 @pytest.mark.parametrize("swap_ab", [True, False], ids=["weights@x", "x@weights"])
 @pytest.mark.parametrize("fmt", list(BUILDERS))
 @pytest.mark.parametrize(

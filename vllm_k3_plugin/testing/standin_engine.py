@@ -11,9 +11,9 @@ logits processor (``testing.force``): output step ``n`` is
 ``vllm_xargs.k3_force_ids[n]``, and past the list the stop token. A request without
 forced ids gets the stop token at once.
 
-What ends an output is vLLM's own code: the scheduler stops a request at its
-``max_tokens``, the model length, an EOS or ``stop_token_ids`` id and stop strings,
-exactly as it would after a real model's step.
+What ends an output is vLLM's own code, exactly as after a real model's step: the
+scheduler stops a request at its ``max_tokens``, the model length, an EOS or a
+``stop_token_ids`` id; the front end's detokenizer at a stop string.
 """
 
 from __future__ import annotations
@@ -112,10 +112,13 @@ class _ForcedTokenWorker:
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            self._requests[new.req_id] = _Request(
-                prompt_len=len(new.prompt_token_ids or ()),
-                forced=forced_ids(new.sampling_params) or [],
-            )
+            # vLLM's V2 model runner gets a preempted request back among the new
+            # ones: it resumes where it was, its written ids kept.
+            if new.req_id not in self._requests:
+                self._requests[new.req_id] = _Request(
+                    prompt_len=len(new.prompt_token_ids or ()),
+                    forced=forced_ids(new.sampling_params) or [],
+                )
         computed = {
             new.req_id: new.num_computed_tokens
             for new in scheduler_output.scheduled_new_reqs

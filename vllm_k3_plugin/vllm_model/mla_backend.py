@@ -91,9 +91,9 @@ class K3CpuMlaImpl(CPUMLAImpl):
         k_scale,
         skip_scale: bool = False,
     ) -> None:
-        # vLLM 0.33's ``MLAAttention.update_kv_cache`` passes ``skip_scale`` (the
-        # layer's scale is 1.0, so scaling may be skipped); 0.32 passes six
-        # arguments, and its parent takes six. Scaling by 1.0 is exact, so the flag
+        # vLLM 0.33's ``MLAAttention.update_kv_cache`` always passes a seventh
+        # argument, ``skip_scale``, true for an FP8 cache whose scale is 1.0; 0.32
+        # passes six, and its parent takes six. Scaling by 1.0 is exact, so the flag
         # changes no value and is not passed on.
         if kv_cache_dtype not in FP8_CACHE_DTYPES:
             return super().do_kv_cache_update(
