@@ -3,7 +3,7 @@
 job in the same process:
 
 - MLA decode (bf16 queries, 16 heads, 64-token pages), FP8 cache: the default
-  (fp16 dots, 4 warps), fp16-pairs dots, 8 warps, and each tile's reads issued an
+  (fp16 dots, 4 warps), 8 warps, and each tile's reads issued an
   iteration early (``prefetch``) at 8 warps (its default) and 4; bf16 cache (the
   cache without ``--kv-cache-dtype fp8``, never timed before): the default (bf16
   dots), 8 warps, prefetch and twice the default split count; vLLM's
@@ -78,7 +78,6 @@ def gap(got: torch.Tensor, want: torch.Tensor) -> float:
 MLA_VARIANTS = {
     "fp8": (
         ("default", {}),
-        ("fp16-pairs", {"dots": "fp16-pairs"}),
         ("w8", {"num_warps": 8}),
         ("prefetch", {"prefetch": True}),  # 8 warps on NVIDIA
         ("prefetch w4", {"prefetch": True, "num_warps": 4}),

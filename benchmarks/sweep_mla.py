@@ -4,9 +4,9 @@ queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 
 1. Tile, pipeline, warps and dot operands: ``block_n`` x warps 32 x 4, 32 x 8
    and 64 x 8 (64 x 4 was the slowest in both runs before), ``num_stages`` 2/3,
-   fp16 (the default), fp16-pairs dots or ``prefetch`` (bf16 measured 1.1-1.3x
-   slower than fp16 in the runs before; a 168-register cap, 3 programs a
-   multiprocessor, made fp16-pairs 2-4% slower: ``results/variants_h200.txt``),
+   fp16 (the default) or ``prefetch`` (bf16 measured 1.1-1.3x slower than fp16
+   in the runs before; fp16-pairs dots 1-8% slower, the latent in halves 4-5%:
+   ``results/variants_h200.txt``),
    each at the default split count for its warps and at 1.5x and 2x of it, over
    four batch x context shapes. Prints every configuration's time per shape.
 2. Split counts: for the fastest configuration of part 1, split counts from 1 to 3
@@ -80,7 +80,6 @@ def sweep(device, shapes, sms: int) -> None:
     results = []
     variants = {
         "fp16": {},
-        "fp16-pairs": {"dots": "fp16-pairs"},
         "prefetch": {"prefetch": True},
     }
     configs = [

@@ -13,14 +13,6 @@ Shapes (Kimi-K3: ``H`` = 96 heads before TP, latent ``DV`` = 512, ``DPE`` = 64):
 - returns ``(out [B, Q, H, DV] fp32, lse [B, Q, H] fp32)``; the values are the first
   ``DV`` channels of the cache (the normalized ``c_kv``).
 
-``latent_halves=True`` takes the latent through both dots in two halves (256 +
-256, and the 64 rope channels): fewer registers and instructions on sm90, yet
-4-5% slower on an H200 (``benchmarks/results/variants_h200.txt``), so the default
-takes it whole. With fp16-pairs dots the accumulator is rescaled only on the
-tiles where some row's running maximum grows (the factor is exactly 1 on the
-others); the other formats rescale every tile, which on sm90 holds fewer
-registers there (bf16 over a bf16 cache: 130 against 179) or spills less.
-
 Dots (``dot_format``): with a ``bfloat16`` query over an FP8 cache (the model's case
 on a GPU), both dots run on fp16 tensor cores with fp32 accumulation: every e4m3
 value is exact in fp16 (and a GPU converts e4m3 to fp16 in one instruction a pair,
@@ -47,9 +39,7 @@ import math
 
 import torch
 
-from k3_triton_kernels import runtime
 from k3_triton_kernels.runtime import (
-    E4M3_EXPONENT_BIAS,
     FP8_DTYPES,
     interpreted,
     log_path,
@@ -134,68 +124,14 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _e4m3_pairs_to_fp16(words, ROWS: tl.constexpr, COLS: tl.constexpr):
-        """``[ROWS, COLS / 2]`` 16-bit words, each two stored e4m3 bytes (the low
-        byte the even column), as ``[ROWS, COLS]`` fp16 values divided by
-        ``PAIR_SCALE``: each byte's exponent and mantissa bits move into fp16's
-        fields, whose exponent bias is larger by 8 (e4m3fn; 7 for e4m3fnuz) —
-        exact, subnormals included. NaN bytes (which a cache never holds: its
-        writes clamp) come out finite."""
-        word = words.to(tl.int32) & 0xFFFF
-        low = ((word & 0x7F) << 7) | ((word & 0x80) << 8)
-        high = ((word >> 1) & 0x3F80) | (word & 0x8000)
-        bits = tl.reshape(tl.join(low, high), (ROWS, COLS)).to(tl.int16)
-        return bits.to(tl.float16, bitcast=True)
-
-    @triton.jit
-    def _e4m3fn_pairs_to_fp16_sm89(words, ROWS: tl.constexpr, COLS: tl.constexpr):
-        """As ``_e4m3_pairs_to_fp16`` for ``float8_e4m3fn`` on NVIDIA sm89 and
-        later, by the hardware conversion (``cvt.rn.f16x2.e4m3x2``, one a pair),
-        values unscaled (NaN stays NaN). Not pure to Triton: a pure conversion is
-        recomputed for each dot that reads the tile, in each dot's layout; this
-        way it runs once and both dots read its fp16 tile from shared memory."""
-        low, high = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-            "=h,=h,h",
-            [words],
-            dtype=(tl.float16, tl.float16),
-            is_pure=False,
-            pack=1,
+    def _load_keys(token_base, first, WIDTH: tl.constexpr, n_mask):
+        """Cache columns ``[first, first + WIDTH)`` of the tile's tokens, as stored
+        (unscaled)."""
+        return tl.load(
+            token_base[:, None] + first + tl.arange(0, WIDTH)[None, :],
+            mask=n_mask[:, None],
+            other=0.0,
         )
-        return tl.reshape(tl.join(low, high), (ROWS, COLS))
-
-    @triton.jit
-    def _load_keys(
-        token_base,
-        first,
-        WIDTH: tl.constexpr,
-        n_mask,
-        BLOCK_N: tl.constexpr,
-        DOTS: tl.constexpr,
-        HARDWARE_CVT: tl.constexpr,
-    ):
-        """Cache columns ``[first, first + WIDTH)`` of the tile's tokens as the dots
-        take them: stored values (unscaled); for ``DOTS`` 3, the bytes read in
-        16-bit words and made fp16 in registers (by ``HARDWARE_CVT``, else bit
-        moves, divided by ``PAIR_SCALE``)."""
-        if DOTS == 3:
-            words = token_base.to(tl.pointer_type(tl.int16)) + first // 2
-            pairs = tl.load(
-                words[:, None] + tl.arange(0, WIDTH // 2)[None, :],
-                mask=n_mask[:, None],
-                other=0,
-            )
-            if HARDWARE_CVT:
-                keys = _e4m3fn_pairs_to_fp16_sm89(pairs, BLOCK_N, WIDTH)
-            else:
-                keys = _e4m3_pairs_to_fp16(pairs, BLOCK_N, WIDTH)
-        else:
-            keys = tl.load(
-                token_base[:, None] + first + tl.arange(0, WIDTH)[None, :],
-                mask=n_mask[:, None],
-                other=0.0,
-            )
-        return keys
 
     @triton.jit
     def _tile_keys(
@@ -211,15 +147,11 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PAGE_TILES: tl.constexpr,
         DV: tl.constexpr,
-        DH: tl.constexpr,
         DPE: tl.constexpr,
-        DOTS: tl.constexpr,
-        HARDWARE_CVT: tl.constexpr,
     ):
-        """The tile starting at ``tile``: its first ``DH`` latent columns and its
-        rope columns as the dots take them (stored values, unscaled: the layer's
-        scale goes on scores and output), which of its tokens are before ``end``
-        (none when ``tile >= end``: nothing is read), and the tokens' cache rows."""
+        """The tile starting at ``tile``: its latent and rope columns as stored
+        (unscaled: the layer's scale goes on scores and output), and which of its
+        tokens are before ``end`` (none when ``tile >= end``: nothing is read)."""
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < end
         if PAGE_TILES:
@@ -242,9 +174,9 @@ if triton is not None:
             token_base = (
                 cache_ptr + page.to(tl.int64) * stride_cp + (n % page_size) * stride_cs
             )
-        k_lo = _load_keys(token_base, 0, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
-        k_pe = _load_keys(token_base, DV, DPE, n_mask, BLOCK_N, DOTS, HARDWARE_CVT)
-        return k_lo, k_pe, n_mask, token_base
+        k_latent = _load_keys(token_base, 0, DV, n_mask)
+        k_pe = _load_keys(token_base, DV, DPE, n_mask)
+        return k_latent, k_pe, n_mask
 
     @triton.jit
     def _dot(a, b, DOTS: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -255,7 +187,7 @@ if triton is not None:
         (fp16 and bf16 products are exact in fp32), as the tensor cores do."""
         if DOTS == 1 and not INTERPRETED:
             return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-        if DOTS >= 2:
+        if DOTS == 2:
             if INTERPRETED:
                 a = a.to(tl.float16).to(tl.float32)
                 b = b.to(tl.float16).to(tl.float32)
@@ -294,9 +226,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PAGE_TILES: tl.constexpr,
         DOTS: tl.constexpr,
-        PAIR_SCALE: tl.constexpr,
-        HARDWARE_CVT: tl.constexpr,
-        PARTS: tl.constexpr,
         PREFETCH: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
@@ -315,76 +244,53 @@ if triton is not None:
 
         h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = h < heads
-        # PARTS 2: the latent goes through the dots in two halves (the "hi" half's
-        # query, keys and accumulator exist only then; at PARTS 1 q_hi repeats
-        # q_lo and acc_hi is a 16-wide stand-in, both unused).
-        DH: tl.constexpr = DV // PARTS
-        dh = tl.arange(0, DH)
+        dv = tl.arange(0, DV)
         dpe = tl.arange(0, DPE)
         q_base = q_ptr + b * stride_qb + r * stride_qr + h[:, None] * stride_qh
-        q_lo = tl.load(q_base + dh[None, :], mask=h_mask[:, None], other=0.0)
-        q_hi = q_lo
-        if PARTS == 2:
-            q_hi = tl.load(q_base + DH + dh[None, :], mask=h_mask[:, None], other=0.0)
+        q_latent = tl.load(q_base + dv[None, :], mask=h_mask[:, None], other=0.0)
         q_pe = tl.load(q_base + DV + dpe[None, :], mask=h_mask[:, None], other=0.0)
         score_scale = softmax_scale * kv_scale
-        if DOTS >= 2:
+        if DOTS == 2:
             # fp16 dots: the query enters scaled by the power of two that puts its
             # largest magnitude (over this program's heads) in [2^14, 2^15), so it
             # stays finite in fp16 and exact down to 2^-31 of that largest; the
             # scores are scaled back (powers of two: exact).
-            q_lo = q_lo.to(tl.float32)
-            q_hi = q_hi.to(tl.float32)
+            q_latent = q_latent.to(tl.float32)
             q_pe = q_pe.to(tl.float32)
             largest = tl.maximum(
-                tl.maximum(
-                    tl.max(tl.max(tl.abs(q_lo), axis=1), axis=0),
-                    tl.max(tl.max(tl.abs(q_hi), axis=1), axis=0),
-                ),
+                tl.max(tl.max(tl.abs(q_latent), axis=1), axis=0),
                 tl.max(tl.max(tl.abs(q_pe), axis=1), axis=0),
             )
             exponent = ((largest.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
             shift = tl.minimum(tl.maximum(141 - exponent, -100), 100)  # 14 - (e - 127)
             q_scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
-            q_lo = (q_lo * q_scale).to(tl.float16)
-            q_hi = (q_hi * q_scale).to(tl.float16)
+            q_latent = (q_latent * q_scale).to(tl.float16)
             q_pe = (q_pe * q_scale).to(tl.float16)
             score_scale = score_scale / q_scale
-        if DOTS == 3:
-            score_scale = score_scale * PAIR_SCALE
 
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         denom = tl.zeros((BLOCK_H,), tl.float32)
-        acc_lo = tl.zeros((BLOCK_H, DH), tl.float32)
-        acc_hi = tl.zeros((BLOCK_H, DH if PARTS == 2 else 16), tl.float32)
+        acc = tl.zeros((BLOCK_H, DV), tl.float32)
         if PREFETCH:
-            lo_next, pe_next, mask_next, _ = _tile_keys(
+            latent_next, pe_next, mask_next = _tile_keys(
                 cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-                start, end, page_size, BLOCK_N, PAGE_TILES, DV, DH, DPE, DOTS,
-                HARDWARE_CVT,
+                start, end, page_size, BLOCK_N, PAGE_TILES, DV, DPE,
             )  # fmt: skip
         for tile in range(start, end, BLOCK_N):
             if PREFETCH:
                 # This tile's keys were loaded an iteration ago; the next tile's
                 # loads go out now, ahead of this tile's dots.
-                k_lo, k_pe, n_mask = lo_next, pe_next, mask_next
-                lo_next, pe_next, mask_next, _ = _tile_keys(
+                k_latent, k_pe, n_mask = latent_next, pe_next, mask_next
+                latent_next, pe_next, mask_next = _tile_keys(
                     cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-                    tile + BLOCK_N, end, page_size, BLOCK_N, PAGE_TILES, DV, DH, DPE,
-                    DOTS, HARDWARE_CVT,
+                    tile + BLOCK_N, end, page_size, BLOCK_N, PAGE_TILES, DV, DPE,
                 )  # fmt: skip
             else:
-                k_lo, k_pe, n_mask, token_base = _tile_keys(
+                k_latent, k_pe, n_mask = _tile_keys(
                     cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-                    tile, end, page_size, BLOCK_N, PAGE_TILES, DV, DH, DPE, DOTS,
-                    HARDWARE_CVT,
+                    tile, end, page_size, BLOCK_N, PAGE_TILES, DV, DPE,
                 )  # fmt: skip
-            scores = _dot(q_lo, tl.trans(k_lo), DOTS, INTERPRETED)
-            if PARTS == 2:
-                k_hi = _load_keys(
-                    token_base, DH, DH, n_mask, BLOCK_N, DOTS, HARDWARE_CVT
-                )
-                scores += _dot(q_hi, tl.trans(k_hi), DOTS, INTERPRETED)
+            scores = _dot(q_latent, tl.trans(k_latent), DOTS, INTERPRETED)
             scores += _dot(q_pe, tl.trans(k_pe), DOTS, INTERPRETED)
             scores = tl.where(n_mask[None, :], scores * score_scale, float("-inf"))
             new_m = tl.maximum(m, tl.max(scores, axis=1))
@@ -393,41 +299,28 @@ if triton is not None:
             denom = denom * rescale + tl.sum(p, axis=1)
             if DOTS == 1:
                 p = _round_to_bf16(p)
-            if DOTS >= 2:
+            if DOTS == 2:
                 # Weights in (0, 1] as p * 2^15: none is lost below fp16's
                 # smallest subnormal (2^-24) above 2^-39.
                 p = p * FP16_WEIGHT_SCALE
-            if DOTS == 3:
-                # Only where a row's maximum grew (elsewhere the factor is 1).
-                if tl.max((new_m > m).to(tl.int32), axis=0) > 0:
-                    acc_lo = acc_lo * rescale[:, None]
-                    acc_hi = acc_hi * rescale[:, None]
-            else:
-                acc_lo = acc_lo * rescale[:, None]
-                acc_hi = acc_hi * rescale[:, None]
-            acc_lo += _dot(p, k_lo, DOTS, INTERPRETED)
-            if PARTS == 2:
-                acc_hi += _dot(p, k_hi, DOTS, INTERPRETED)
+            acc = acc * rescale[:, None]
+            acc += _dot(p, k_latent, DOTS, INTERPRETED)
             m = new_m
 
         has_tokens = end > start
         safe_denom = tl.where(has_tokens, denom, 1.0)
         lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
         out_scale = kv_scale / safe_denom[:, None]
-        if DOTS >= 2:
+        if DOTS == 2:
             out_scale = out_scale / FP16_WEIGHT_SCALE
-        if DOTS == 3:
-            out_scale = out_scale * PAIR_SCALE
         out_base = (
             mid_out_ptr
             + row * stride_mo_row
             + h[:, None] * stride_mo_h
             + split * stride_mo_s
-            + dh[None, :]
+            + dv[None, :]
         )
-        tl.store(out_base, acc_lo * out_scale, mask=h_mask[:, None])
-        if PARTS == 2:
-            tl.store(out_base + DH, acc_hi * out_scale, mask=h_mask[:, None])
+        tl.store(out_base, acc * out_scale, mask=h_mask[:, None])
         tl.store(
             mid_lse_ptr + row * stride_ml_row + h * stride_ml_h + split,
             lse,
@@ -491,8 +384,8 @@ def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | 
     if cache.dtype not in CACHE_DTYPES:
         return f"cache dtype {cache.dtype}"
     rope = q.shape[-1] - value_dim
-    # The latent goes through the dots in halves, each at least a dot's 16.
-    for name, size, least in (("latent dim", value_dim, 32), ("rope dim", rope, 16)):
+    # Each goes through the dots whole: at least a dot's 16 deep.
+    for name, size, least in (("latent dim", value_dim, 16), ("rope dim", rope, 16)):
         if size < least or size & (size - 1):
             return f"{name} {size} (needs a power of two >= {least})"
     if cache.shape[-1] != q.shape[-1]:
@@ -545,23 +438,12 @@ def default_block_n(page_size: int) -> int:
     return DEFAULT_BLOCK_N
 
 
-DOTS = {"fp32": 0, "bf16": 1, "fp16": 2, "fp16-pairs": 3}
+DOTS = {"fp32": 0, "bf16": 1, "fp16": 2}
 
 
-# Other formats a bf16 query over an FP8 cache may take: bf16 (e4m3 is exact there
-# too; on sm90 it costs a second conversion per value, e4m3 -> fp16 -> bf16), and
-# "fp16-pairs": fp16 from the cache read as 16-bit words, each word's two bytes
-# made fp16 in registers once (NVIDIA, e4m3fn: one hardware conversion a word;
-# else bit moves), both dots then reading that fp16 tile from shared memory by
-# ldmatrix. In the "fp16" format Triton converts the bytes once for each dot, in
-# each dot's layout, through shared-memory byte loads. Static counts on sm90
-# (``python -m tests.kernels.cross_compile sm90``, the loop over tiles of 32
-# tokens, 4 warps, latent in halves): "fp16" 1,035 instructions a warp, 128 bytes
-# of spill; "fp16-pairs" 571 (506 when no row's maximum grows), no spill. Yet on
-# an H200 fp16-pairs ran 3% faster than halved fp16 and 1-8% slower than whole
-# fp16, the default (benchmarks/results/variants_h200.txt): this kernel is not
-# bound by its instructions.
-FP8_ALTERNATIVES = {"fp16": ("bf16", "fp16-pairs")}
+# The other format a bf16 query over an FP8 cache may take: bf16 (e4m3 is exact
+# there too; on sm90 it costs a second conversion per value, e4m3 -> fp16 -> bf16).
+FP8_ALTERNATIVES = {"fp16": ("bf16",)}
 
 
 def dot_format(q: torch.Tensor, cache: torch.Tensor) -> str:
@@ -593,8 +475,6 @@ def mla_decode(
     num_stages: int | None = None,
     num_warps: int | None = None,
     dots: str | None = None,
-    max_registers: int | None = None,
-    latent_halves: bool = False,
     prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; the Triton kernels where they apply, else the reference with
@@ -603,15 +483,12 @@ def mla_decode(
     from the device. ``reference_because``: take the reference, logging this
     reason (the caller's setting). ``dots``: the dots' operand format, by default
     ``dot_format``'s; an FP8 cache under a bf16 query also takes ``"bf16"`` (its
-    values are exact there too), and any pair ``"fp32"``. ``max_registers``: a
-    cap on the partial kernel's registers a thread (NVIDIA only; ptxas spills
-    what does not fit), for more programs a multiprocessor. ``prefetch``: each
+    values are exact there too), and any pair ``"fp32"``. ``prefetch``: each
     iteration issues the next tile's cache reads (and its block-table read)
     before this tile's dots, so their latency overlaps the dots instead of
     preceding them (Triton's pipeliner stages only loads that reach a dot
-    unconverted; the FP8 tile is converted on the way); latent whole only, not
-    with fp16-pairs dots; 8 warps on NVIDIA unless given (at 4 the second tile
-    spills). Untimed on a GPU."""
+    unconverted; the FP8 tile is converted on the way); 8 warps on NVIDIA unless
+    given (at 4 the second tile spills). Untimed on a GPU."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(192)
     # A dot format the pair cannot take is refused on either path.
@@ -622,16 +499,6 @@ def mla_decode(
         raise ValueError(
             f"{dots} dots for a {q.dtype} query over a {cache.dtype} cache"
         )
-    if dots == "fp16-pairs" and any(
-        x % 2 for x in (cache.storage_offset(), cache.stride(0), cache.stride(1))
-    ):
-        raise ValueError("fp16-pairs dots read the cache as 16-bit words: unaligned")
-    if prefetch and (latent_halves or dots == "fp16-pairs"):
-        raise ValueError(
-            "prefetch takes the latent whole, in dots other than fp16-pairs"
-        )
-    if max_registers is not None and runtime.on_rocm():
-        raise ValueError("max_registers caps NVIDIA registers (ptxas maxnreg); not AMD")
     reason = reference_because or _unsupported(q, cache, value_dim)
     log_path("MLA decode", reason)
     if reason is not None:
@@ -675,14 +542,6 @@ def mla_decode(
     else:
         mid_out = torch.empty(batch * rows, heads, num_splits, value_dim, device=device)
         mid_lse = torch.empty(batch * rows, heads, num_splits, device=device)
-    # NVIDIA converts e4m3fn pairs to fp16 in one instruction (the interpreter
-    # and AMD take the bit moves).
-    hardware_cvt = (
-        dots == "fp16-pairs"
-        and cache.dtype == torch.float8_e4m3fn
-        and not interpreted()
-        and not runtime.on_rocm()
-    )
     if batch:
         grid = (batch * rows, triton.cdiv(heads, block_h), num_splits)
         _mla_decode_partial[grid](
@@ -715,17 +574,10 @@ def mla_decode(
             BLOCK_N=block_n,
             PAGE_TILES=page_size % block_n == 0,
             DOTS=DOTS[dots],
-            # The byte moves divide by 2^(fp16's exponent bias 15 - e4m3's).
-            PAIR_SCALE=1.0
-            if hardware_cvt
-            else 2.0 ** (15 - E4M3_EXPONENT_BIAS.get(cache.dtype, 7)),
-            HARDWARE_CVT=hardware_cvt,
-            PARTS=2 if latent_halves else 1,
             PREFETCH=prefetch,
             INTERPRETED=interpreted(),
             num_warps=num_warps,
             num_stages=num_stages or DEFAULT_STAGES,
-            **({} if max_registers is None else {"maxnreg": max_registers}),
         )
     if batch and num_splits > 1:
         _mla_decode_merge[(batch * rows, heads)](

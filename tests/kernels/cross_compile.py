@@ -292,11 +292,6 @@ def _cases(fp8: torch.dtype):
         ("mla bf16 cache, bf16 q", mla_decode, mla(torch.bfloat16, torch.bfloat16)),
         ("mla fp8 cache, fp32 q", mla_decode, mla(torch.float32, fp8)),
         (
-            "mla fp8 cache, bf16 q, fp16-pairs",
-            mla_decode,
-            mla(torch.bfloat16, fp8, "fp16-pairs"),
-        ),
-        (
             "mla fp8 cache, bf16 q, prefetch",
             mla_decode,
             mla(torch.bfloat16, fp8, prefetch=True),

@@ -29,10 +29,3 @@ FP8_DTYPES_HERE = [
     for dtype in FP8_DTYPES
     if (FNUZ_RUNS_HERE if dtype == torch.float8_e4m3fnuz else OCP_FP8_RUNS_HERE)
 ]
-
-# NVIDIA's e4m3 -> fp16 pair conversion (inline PTX): sm89 and later.
-HARDWARE_CVT_RUNS_HERE = (
-    DEVICE.type == "cuda"
-    and torch.version.hip is None
-    and torch.cuda.get_device_capability() >= (8, 9)
-)

@@ -16,7 +16,6 @@ from k3_triton_kernels import mla_decode as kernel
 from tests.kernels.placement import (
     DEVICE,
     FP8_DTYPES_HERE,
-    HARDWARE_CVT_RUNS_HERE,
     on_device,
 )
 
@@ -174,10 +173,10 @@ def test_unsupported_shapes_fall_back_to_pytorch_and_say_why(caplog):
     bad = torch.zeros(2, 4, 576, dtype=torch.int8, device=DEVICE)
     query = torch.zeros(1, 1, 1, 576, device=DEVICE)
     assert "cache dtype" in kernel._unsupported(query, bad, 512)
-    # A 16-wide latent: its halves would be narrower than a dot takes.
-    narrow = torch.zeros(2, 4, 32, dtype=torch.bfloat16, device=DEVICE)
-    why = kernel._unsupported(query[..., :32].bfloat16(), narrow, 16)
-    assert "latent dim 16 (needs a power of two >= 32)" in why
+    # An 8-wide latent: narrower than a dot takes.
+    narrow = torch.zeros(2, 4, 24, dtype=torch.bfloat16, device=DEVICE)
+    why = kernel._unsupported(query[..., :24].bfloat16(), narrow, 8)
+    assert "latent dim 8 (needs a power of two >= 16)" in why
 
 
 # -- the bf16 tensor-core path --------------------------------------------------------
@@ -239,82 +238,6 @@ def test_an_fp8_cache_also_takes_bf16_dots_and_nothing_else_odd():
         )
 
 
-def _convert_every_word(hardware: bool):
-    """All 65,536 16-bit words through the bit moves (``_e4m3_pairs_to_fp16``) or
-    the hardware conversion: ``(stored bytes [65536, 2] uint8, fp16 values
-    [65536, 2] as fp32)``."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def convert(words_ptr, out_ptr, ROWS: tl.constexpr, HARDWARE: tl.constexpr):
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        words = tl.load(words_ptr + r)[:, None]
-        if HARDWARE:
-            values = kernel._e4m3fn_pairs_to_fp16_sm89(words, ROWS, 2)
-        else:
-            values = kernel._e4m3_pairs_to_fp16(words, ROWS, 2)
-        tl.store(out_ptr + r[:, None] * 2 + tl.arange(0, 2)[None, :], values)
-
-    words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    out = torch.empty(65536, 2, dtype=torch.float16, device=DEVICE)
-    convert[(64,)](words.to(DEVICE), out, ROWS=1024, HARDWARE=hardware)
-    return words.view(torch.uint8).view(65536, 2), out.cpu().float()
-
-
-@pytest.mark.parametrize("dtype", FP8, ids=str)
-def test_every_pair_of_cache_bytes_becomes_its_two_fp16_values_exactly(dtype):
-    """All 65,536 16-bit words (two e4m3 bytes, the low byte the even column) move
-    into fp16 as the bytes' values divided by 2^8 (e4m3fn) or 2^7 (e4m3fnuz),
-    exactly, subnormals included. NaN bytes come out finite (fnuz's 0x80 as -0,
-    fn's 0x7F/0xFF as ±1.875 · 2^8): a cache holds none, its writes clamp."""
-    stored, got = _convert_every_word(hardware=False)
-    want = stored.view(dtype).float()
-    shift = 2.0**-7 if dtype == torch.float8_e4m3fnuz else 2.0**-8
-    if dtype == torch.float8_e4m3fnuz:
-        want = torch.where(stored == 0x80, -0.0, want)
-    else:
-        nan_byte = (stored & 0x7F) == 0x7F
-        assert torch.equal(got[nan_byte].abs(), torch.full_like(got[nan_byte], 1.875))
-        want = torch.where(nan_byte, got / shift, want)
-    assert torch.equal(got, want * shift)
-
-
-@pytest.mark.skipif(
-    not HARDWARE_CVT_RUNS_HERE,
-    reason="NVIDIA sm89+ only: inline PTX (the interpreter and AMD take the bit "
-    "moves, tested above)",
-)
-def test_the_hardware_conversion_gives_every_pair_its_two_e4m3fn_values():
-    """The fp16-pairs dots' conversion on NVIDIA (``cvt.rn.f16x2.e4m3x2``): every
-    word's two e4m3fn values, unscaled, the low byte the even column; NaN stays
-    NaN."""
-    stored, got = _convert_every_word(hardware=True)
-    want = stored.view(torch.float8_e4m3fn).float()
-    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-
-
-@pytest.mark.parametrize("dtype", FP8, ids=str)
-def test_fp16_dots_on_byte_pairs_stay_within_the_fp16_bound(dtype):
-    """The ``fp16-pairs`` dots (the cache read as 16-bit words) hold the fp16
-    dots' bound, 2^-11 of the largest value, across pages and speculative rows."""
-    q, cache, table, lens = _setup(
-        [70, 33, 1], heads=16, rows=3, page_size=16, dtype=dtype, kv_scale=0.5
-    )
-    q = q.to(torch.bfloat16)
-    out, lse = kernel.mla_decode(q, cache, table, lens, kv_scale=0.5, dots="fp16-pairs")
-    ref_out, ref_lse = kernel.mla_decode_reference(
-        q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=0.5
-    )
-    largest = cache[..., :512].float().abs().max() * 0.5
-    assert (out - ref_out).abs().max() <= 2**-11 * largest + 1e-4
-    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="16-bit words"):
-        odd = torch.zeros(cache.numel() + 1, dtype=cache.dtype, device=cache.device)
-        unaligned = odd[1:].view(cache.shape)
-        kernel.mla_decode(q, unaligned, table, lens, dots="fp16-pairs")
-
-
 def test_fp16_and_fp32_caches_keep_fp32_dots():
     q = torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16)
     for dtype in (torch.float16, torch.float32):
@@ -322,8 +245,7 @@ def test_fp16_and_fp32_caches_keep_fp32_dots():
 
 
 @pytest.mark.parametrize("overall", [2.0**-40, 2.0**-13, 1.0, 2.0**60])
-@pytest.mark.parametrize("dots", ["fp16", "fp16-pairs"])
-def test_fp16_dots_keep_bf16_queries_of_any_magnitude(overall, dots):
+def test_fp16_dots_keep_bf16_queries_of_any_magnitude(overall):
     """The query enters the fp16 dots scaled by a power of two chosen from its
     largest magnitude: queries whose components span 2^-30 to 1 of their largest,
     at overall magnitudes from 2^-40 to 2^60, give the fp32 path's LSE (to fp32
@@ -333,7 +255,7 @@ def test_fp16_dots_keep_bf16_queries_of_any_magnitude(overall, dots):
     )
     magnitudes = torch.logspace(-30, 0, q.shape[-1], base=2, device=q.device)
     q = (q / q.abs() * magnitudes * overall).to(torch.bfloat16)
-    out, lse = kernel.mla_decode(q, cache, table, lens, kv_scale=16.0, dots=dots)
+    out, lse = kernel.mla_decode(q, cache, table, lens, kv_scale=16.0)
     ref_out, ref_lse = kernel.mla_decode(q.float(), cache, table, lens, kv_scale=16.0)
     assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
     largest = cache[..., :512].float().abs().max() * 16.0
@@ -360,15 +282,11 @@ def test_weights_round_to_bf16_ties_to_even():
 
 
 @pytest.mark.parametrize(
-    ("cache_dtype", "weight", "bound", "dots"),
-    [
-        (torch.bfloat16, 0.5019, 2**-8, None),
-        (FP8[0], 0.50024, 2**-11, None),
-        (FP8[0], 0.50024, 2**-11, "fp16-pairs"),
-    ],
-    ids=["bf16 dots", "fp16 dots", "fp16-pairs dots"],
+    ("cache_dtype", "weight", "bound"),
+    [(torch.bfloat16, 0.5019, 2**-8), (FP8[0], 0.50024, 2**-11)],
+    ids=["bf16 dots", "fp16 dots"],
 )
-def test_the_weight_rounding_bound_is_reached(cache_dtype, weight, bound, dots):
+def test_the_weight_rounding_bound_is_reached(cache_dtype, weight, bound):
     """200 tokens whose softmax weight (relative to the top token's) sits just
     under a rounding midpoint of the dots' format and rounds down to 0.5, all with
     value +1, and the top token with value -1: the output moves by nearly the
@@ -388,7 +306,7 @@ def test_the_weight_rounding_bound_is_reached(cache_dtype, weight, bound, dots):
     q[..., 512] = 8.0
     kv_scale = -math.log(weight) / (8.0 * SCALE)  # weight e^{-8·scale·kv}
     q, cache, table, lens = (x.to(DEVICE) for x in (q.bfloat16(), cache, table, lens))
-    out, _ = kernel.mla_decode(q, cache, table, lens, kv_scale=kv_scale, dots=dots)
+    out, _ = kernel.mla_decode(q, cache, table, lens, kv_scale=kv_scale)
     ref_out, _ = kernel.mla_decode_reference(
         q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=kv_scale
     )
@@ -421,50 +339,24 @@ def test_the_default_split_count_fills_one_wave_of_eight_warps_a_multiprocessor(
     assert kernel.default_num_splits(300, 1, cpu) == 2
 
 
-def test_a_register_cap_is_an_nvidia_setting(monkeypatch):
-    """``max_registers`` reaches the launch as ptxas' maxnreg (the interpreter
-    ignores it: the same values); AMD's compiler has no such option, so it is
-    refused there by name rather than by Triton's unrecognised keyword."""
-    q, cache, table, lens = _setup(
-        [40], heads=16, rows=1, page_size=16, dtype=FP8[0], kv_scale=1.0
-    )
-    q = q.to(torch.bfloat16)
-    capped, _ = kernel.mla_decode(q, cache, table, lens, max_registers=168)
-    plain, _ = kernel.mla_decode(q, cache, table, lens)
-    assert torch.equal(capped, plain)
-    monkeypatch.setattr(kernel.runtime, "on_rocm", lambda: True)
-    with pytest.raises(ValueError, match="NVIDIA"):
-        kernel.mla_decode(q, cache, table, lens, max_registers=168)
-
-
-@pytest.mark.parametrize("option", ["latent_halves", "prefetch"])
 @pytest.mark.parametrize(
     ("cache_dtype", "dots", "bound"),
     [
         (FP8[0], "fp16", 2**-11),
-        (FP8[0], "fp16-pairs", 2**-11),
         (torch.bfloat16, "bf16", 2**-8),
         (FP8[0], "fp32", 0.0),
     ],
 )
-def test_each_option_keeps_each_formats_bound(cache_dtype, dots, bound, option):
-    """``latent_halves`` (off by default: slower on an H200) splits each dot's
-    latent in two; ``prefetch`` (untimed) loads each tile an iteration early.
-    Each holds each dot format's bound against the reference (the weights'
-    rounding times the largest value, plus fp32 summation order), across pages,
-    splits and speculative rows; prefetch refuses fp16-pairs dots and the
-    halves."""
+def test_prefetch_keeps_each_formats_bound(cache_dtype, dots, bound):
+    """``prefetch`` (untimed) loads each tile an iteration early, and holds each
+    dot format's bound against the reference (the weights' rounding times the
+    largest value, plus fp32 summation order), across pages, splits and
+    speculative rows."""
     q, cache, table, lens = _setup(
         [70, 33, 1], heads=16, rows=3, page_size=16, dtype=cache_dtype, kv_scale=0.5
     )
     q = q.float() if dots == "fp32" else q.to(torch.bfloat16)
-    launch = {"kv_scale": 0.5, "dots": dots, option: True}
-    if option == "prefetch" and dots == "fp16-pairs":
-        with pytest.raises(ValueError, match="prefetch"):
-            kernel.mla_decode(q, cache, table, lens, **launch)
-        with pytest.raises(ValueError, match="prefetch"):
-            kernel.mla_decode(q, cache, table, lens, prefetch=True, latent_halves=True)
-        return
+    launch = {"kv_scale": 0.5, "dots": dots, "prefetch": True}
     out, lse = kernel.mla_decode(q, cache, table, lens, **launch)
     ref_out, ref_lse = kernel.mla_decode_reference(
         q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=0.5
