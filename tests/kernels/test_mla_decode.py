@@ -158,6 +158,20 @@ def test_write_latent_applies_the_scale():
     assert torch.allclose(stored, latent, rtol=2**-4, atol=2.0 * 2**-9)
 
 
+def test_the_narrowest_latent_a_dot_takes_runs_on_the_kernel():
+    """A 16-wide latent (and rope) goes through the dots whole, on the kernel."""
+    q, cache, table, lens = _setup(
+        [40, 7], heads=4, rows=2, page_size=16, dtype=torch.float32, dv=16, dpe=16
+    )
+    assert kernel._unsupported(q, cache, 16) is None
+    out, lse = kernel.mla_decode(q, cache, table, lens, value_dim=16)
+    ref_out, ref_lse = kernel.mla_decode_reference(
+        q, cache, table, lens, value_dim=16, softmax_scale=SCALE
+    )
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.falls_back
 def test_unsupported_shapes_fall_back_to_pytorch_and_say_why(caplog):
     q, cache, table, lens = _setup(
