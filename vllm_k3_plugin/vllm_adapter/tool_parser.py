@@ -104,13 +104,10 @@ class ToolCallStream:
 
     __slots__ = ("_first_number", "_reader", "_undeclared", "calls_made")
 
-    def __init__(self, request: Any, *, first_number: int | None = None) -> None:
-        """``first_number``: the conversation's calls before this output; by
-        default counted from the request's history."""
+    def __init__(self, request: Any, first_number: int) -> None:
+        """``first_number``: the conversation's calls before this output."""
         self._reader = ToolCallReader()
-        self._first_number = (
-            history_call_count(request) if first_number is None else first_number
-        )
+        self._first_number = first_number
         self._undeclared = UndeclaredTools(request)
         self.calls_made = False
 
@@ -166,7 +163,7 @@ def log_dropped(event: Dropped) -> None:
 
 
 def read_function_calls(
-    markup: str, request: Any, *, first_number: int | None = None
+    markup: str, request: Any, first_number: int
 ) -> list[FunctionCall]:
     """The calls of a whole tools channel, with the same ids the stream gives
     (``first_number`` as ``ToolCallStream`` takes it)."""
@@ -175,13 +172,12 @@ def read_function_calls(
         log_dropped(event)
     if not calls:
         return []
-    first = history_call_count(request) if first_number is None else first_number
     undeclared = UndeclaredTools(request)
     for call in calls:
         undeclared.check(call.name)
     return [
         FunctionCall(
-            id=tool_call_id(call.name, first + call.index),
+            id=tool_call_id(call.name, first_number + call.index),
             name=call.name,
             arguments=call.arguments,
         )
@@ -212,7 +208,9 @@ class K3ToolParser(KimiK3ToolParser):
         events = reader.feed(model_output) + reader.finish(stopped=False)
         reading = collect(events)
         content = (reading.reasoning + reading.content) or None
-        calls = read_function_calls(reading.tool_markup, request)
+        calls = read_function_calls(
+            reading.tool_markup, request, history_call_count(request)
+        )
         return ExtractedToolCallInformation(
             tools_called=bool(calls),
             tool_calls=[
@@ -239,7 +237,7 @@ class K3ToolParser(KimiK3ToolParser):
         # stays held (it is never content either way).
         if self._bare_reader is None:
             self._bare_reader = ReasoningReader(start=Channel.RESPONSE)
-            self._bare_calls = ToolCallStream(request)
+            self._bare_calls = ToolCallStream(request, history_call_count(request))
         reading = collect(self._bare_reader.feed(delta_text))
         content = reading.reasoning + reading.content
         calls = (
