@@ -19,6 +19,9 @@ TOOL_SHAPES = {
     "skipped-then-tools": (SKIPPED_REPLY, SKIPPED_REPLY, (WEATHER,)),
     "tools-in-think": ("Need the weather.", "", (WEATHER,)),
     "thinking-off-tools": ("", "", (WEATHER,)),
+    "prose-between-calls": ("", "Then again:\nDone.", (WEATHER, WEATHER)),
+    "think-between-calls": ("Need data. Between. Resumed.", "Final.", (WEATHER,)),
+    "markup-in-value": ("", "", (("get_weather", '{"city": "Par"}'), WEATHER)),
 }
 
 

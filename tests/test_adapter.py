@@ -193,7 +193,11 @@ def test_is_reasoning_end_on_the_prompt(hf_tokenizer, prompt_tail, ended):
 
 @pytest.mark.parametrize(
     "exit_marker",
-    [vocab.THINK_END, vocab.RESPONSE_START, vocab.TOOLS_START],
+    [
+        vocab.THINK_END,
+        vocab.RESPONSE_START,
+        vocab.TOOLS_START + '<|open|>call tool="f"',
+    ],
     ids=["think-closer", "response-open", "tools-open"],
 )
 def test_is_reasoning_end_streaming_fires_on_the_exit(hf_tokenizer, exit_marker):
@@ -206,7 +210,12 @@ def test_is_reasoning_end_streaming_fires_on_the_exit(hf_tokenizer, exit_marker)
         for i in range(1, len(ids) + 1)
         if parser.is_reasoning_end_streaming(ids[:i], ids[i - 1 : i])
     ]
-    assert fired == [len(before) + len(exit_ids)]
+    if exit_marker.startswith(vocab.TOOLS_START):
+        # A tools channel is decided when ``call `` follows its opener.
+        decided = _encode(hf_tokenizer, vocab.TOOLS_START + "<|open|>call tool")
+        assert fired == [len(before) + len(decided)]
+    else:
+        assert fired == [len(before) + len(exit_ids)]
 
 
 def test_answer_closer_is_not_a_reasoning_end(hf_tokenizer):

@@ -106,15 +106,18 @@ def test_a_megabyte_of_markers():
 
 
 def test_an_output_that_never_closes_anything():
-    text = ("still thinking " * 20_000) + vocab.OPEN + "think"
+    thought = "still thinking " * 20_000
     for stopped in (True, False):
+        # The marker cut off at the end is dropped.
+        text = thought + vocab.OPEN + "think"
         reading = read_whole(text, start=Channel.THINK, stopped=stopped)
-        assert reading.reasoning == text
+        assert reading.reasoning == thought
         assert reading.content == ""
+    # A tools opener followed by words is quoted: dropped, the words are the reply.
     reading = read_whole(
         vocab.TOOLS_START + "call", start=Channel.RESPONSE, stopped=True
     )
-    assert reading.tool_markup == vocab.TOOLS_START + "call"
+    assert (reading.content, reading.tool_markup) == ("call", "")
 
 
 def test_finish_twice_and_feed_after_finish():

@@ -17,8 +17,8 @@ from vllm_k3_plugin import vocab
 from vllm_k3_plugin.channel_ids import (
     ReasoningCount,
     count_reasoning_ids,
+    reasoning_end,
     reasoning_ends_in_delta,
-    reasoning_exit_at_or_after,
     reasoning_open_after,
     reasoning_span_end,
 )
@@ -37,6 +37,7 @@ ELEMENTS = [
     vocab.MESSAGE_END,
     vocab.opener("call", 'tool="f" index="1"'),
 ]
+CALL_OPENER = vocab.opener("call", 'tool="f" index="1"')
 WORDS = ["Hello", " world", ".", "\n", " think", "response", " 42"]
 
 id_outputs = st.lists(
@@ -69,27 +70,31 @@ def reader_exit(ids: list[int], decode) -> int:
 def test_span_end_is_where_the_reader_leaves_the_think_channel(codec, text):
     encode, decode = codec
     ids = encode(text)
-    assert reasoning_span_end(ids, decode, starts_in_think=True) == reader_exit(
-        ids, decode
-    )
+    # The reader leaves the channel at the id that decides its end (for a tools
+    # opener, the call opener after it); the reasoning ends where the element does.
+    end = reasoning_end(ids, decode)
+    exit_at, decided = end if end is not None else (len(ids), len(ids) - 1)
+    assert reader_exit(ids, decode) == decided + 1
+    assert reasoning_span_end(ids, decode, starts_in_think=True) == exit_at
 
 
 @given(id_outputs, st.data())
 def test_streaming_question_fires_on_the_delta_that_ends_reasoning(codec, text, data):
     encode, decode = codec
     ids = encode(text)
-    exit_at = reasoning_exit_at_or_after(ids, decode)
+    end = reasoning_end(ids, decode)
     cuts = data.draw(st.lists(st.integers(1, max(1, len(ids) - 1)), max_size=8))
     bounds = sorted({0, len(ids), *cuts})
     deltas = list(itertools.pairwise(bounds))
     fired = [
         hi for lo, hi in deltas if reasoning_ends_in_delta(ids[:hi], hi - lo, decode)
     ]
-    if exit_at is None:
+    if end is None:
         assert not fired
     else:
-        holding_exit = next(hi for lo, hi in deltas if lo < exit_at <= hi)
-        assert fired[:1] == [holding_exit]
+        decided = end[1]
+        holding_decision = next(hi for lo, hi in deltas if lo <= decided < hi)
+        assert fired[:1] == [holding_decision]
 
 
 @given(id_outputs)
@@ -136,7 +141,7 @@ def test_open_think_after_a_prompt(codec, prompt, open_think):
     [
         "thought" + vocab.THINK_END + "reply",
         "thought" + vocab.RESPONSE_START + "reply",
-        "thought" + vocab.TOOLS_START + "x",
+        "thought" + vocab.TOOLS_START + "\n" + CALL_OPENER,
         "thought" + vocab.THINK_END_UNSEPARATED + vocab.RESPONSE_START + "reply",
     ],
 )
@@ -144,11 +149,26 @@ def test_each_think_exit_ends_reasoning(codec, output):
     encode, decode = codec
     ids = encode(output)
     end = reasoning_span_end(ids, decode, starts_in_think=True)
-    assert decode(ids[end:]) in ("reply", "x", vocab.RESPONSE_START + "reply")
-    # The lenient exit is known when the next element's first id arrives.
-    known_at = end if ids[end - 1] == vocab.SEP_ID else end + 1
+    assert decode(ids[end:]) in (
+        "reply",
+        "\n" + CALL_OPENER,
+        vocab.RESPONSE_START + "reply",
+    )
+    # The lenient exit is known when the next element's first id arrives; a tools
+    # opener when ``call `` follows it.
+    known_at = reasoning_end(ids, decode)[1] + 1
+    assert known_at == (end if ids[end - 1] == vocab.SEP_ID else end + 1) or (
+        vocab.TOOLS_START in output
+    )
     assert reasoning_ends_in_delta(ids[:known_at], 1, decode)
     assert not reasoning_ends_in_delta(ids[: known_at - 1], 1, decode)
+
+
+def test_a_tools_opener_followed_by_words_is_quoted(codec):
+    encode, decode = codec
+    ids = encode("thought" + vocab.TOOLS_START + " and more" + vocab.THINK_END)
+    end = reasoning_span_end(ids, decode, starts_in_think=True)
+    assert end == len(ids)
 
 
 def test_answer_closer_does_not_end_reasoning(codec):

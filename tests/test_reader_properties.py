@@ -1,4 +1,6 @@
-"""Property tests: the streamed reading equals the whole reading, byte for byte.
+"""Property tests of the text-only reading (no token ids: a saved output replayed):
+the streamed reading equals the whole reading, byte for byte. The reading with ids,
+and conservation, are in ``test_output_properties``.
 
 Outputs are built from every marker the reader knows, partial markers, whitespace and
 text; chunkings are 1 character, 1 token (real K3 BPE pieces), random splits and the
@@ -20,7 +22,6 @@ from vllm_k3_plugin.reasoning_reader import (
 
 MARKERS = list(vocab.REASONING_MARKERS)
 PARTIALS = [m[:i] for m in MARKERS for i in range(1, len(m))]
-CONTROL = (vocab.OPEN, vocab.CLOSE, vocab.SEP, vocab.END_OF_MSG)
 
 outputs = st.lists(
     st.one_of(
@@ -50,45 +51,6 @@ def test_streaming_equals_the_whole_read(text, start, stopped, policy, data):
     assert read_streamed(list(text), start, stopped, policy) == whole
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=10))
     assert read_streamed(split_at(text, cuts), start, stopped, policy) == whole
-
-
-@given(outputs, st.sampled_from([Channel.THINK, Channel.RESPONSE]), st.booleans())
-def test_framing_never_reaches_content(text, start, stopped):
-    for policy in ReplayPolicy:
-        content = read_whole(text, start=start, stopped=stopped, policy=policy).content
-        # A control atom in content could only have come from the output's markers.
-        for atom in CONTROL:
-            assert atom not in content
-
-
-whole_marker_outputs = st.lists(
-    st.one_of(
-        st.sampled_from(MARKERS),
-        st.text(alphabet="ab é思 \n", max_size=5),
-    ),
-    max_size=30,
-).map("".join)
-
-
-def without_markers(text):
-    for marker in sorted(MARKERS, key=len, reverse=True):
-        text = text.replace(marker, "")
-    return text
-
-
-@given(
-    whole_marker_outputs,
-    st.sampled_from([Channel.THINK, Channel.RESPONSE]),
-    st.booleans(),
-)
-def test_no_text_is_lost(text, start, stopped):
-    # Under hold-back nothing is sent twice, so every character outside the markers
-    # lands exactly once in reasoning, content or the tools channel.
-    reading = read_whole(
-        text, start=start, stopped=stopped, policy=ReplayPolicy.HOLD_BACK
-    )
-    delivered = reading.reasoning + reading.content + reading.tool_markup
-    assert sorted(without_markers(delivered)) == sorted(without_markers(text))
 
 
 @given(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import chunkings, read_streamed
+from tests.k3_ids import Control, encode, id_atoms, token_chunks
+from vllm_k3_plugin.marked import unmarked
 from vllm_k3_plugin.reasoning_reader import (
     Channel,
     ReasoningReader,
@@ -71,8 +73,8 @@ CASES = {
         f"Reply.{RESPONSE_END}<|close|>mes",
         THINK,
         True,
-        ("Reply.<|close|>mes", "Reply."),
-        ("<|close|>mes", "Reply."),
+        ("Reply.", "Reply."),
+        ("", "Reply."),
     ),
     "closer then the think exit": (
         f"CoT ...{RESPONSE_END}{THINK_END}{RESPONSE_START}Final answer.{ANSWER_END}",
@@ -249,7 +251,7 @@ def test_tool_markup_is_handed_over_raw():
     reading = read_whole(
         "x" + RESPONSE_END + TOOLS + MESSAGE_END, start=THINK, stopped=True
     )
-    assert reading.tool_markup == TOOLS
+    assert unmarked(reading.tool_markup) == TOOLS
 
 
 def test_stopped_is_required():
@@ -276,34 +278,17 @@ def test_the_kept_channel_is_dropped_when_decided():
     assert reader._kept is None
 
 
-@pytest.mark.parametrize(
-    ("output", "content"),
-    [
-        # A stray think closer dropped from the reply between "<|close|" and ">".
-        (
-            "<|close|>think<|sep|><|close|<|close|>think<|sep|>>",
-            "<|close|\u200b>",
-        ),
-        # An atom joined across two dropped markers, and one across a single one.
-        (
-            "<|close|>think<|sep|>a<|s<|close|>think<|sep|>e<|close|>think<|sep|>p|>b",
-            "a<|sep|\u200b>b",
-        ),
-        (
-            "<|close|>think<|sep|>x<|end_of_msg|<|open|>>y",
-            "x<|end_of_msg|\u200b>y",
-        ),
-        # Nothing joins: the text is untouched.
-        ("<|close|>think<|sep|>a > b <|close|>think<|sep|>c>", "a > b c>"),
-    ],
-)
-def test_text_on_two_sides_of_dropped_framing_never_joins_into_an_atom(output, content):
-    """Every whole atom in the output is a marker, so an atom in content could only
-    be joined from the text on the two sides of framing the reader drops. A zero-width
-    space goes before such an atom's last character: nothing is lost, no control
-    atom reaches content, and every chunking gives the same content."""
-    whole = read_whole(output, start=Channel.THINK, stopped=True)
-    assert whole.content == content
-    for name, chunks in chunkings(output).items():
-        streamed = read_streamed(chunks, Channel.THINK, True, ReplayPolicy.REPLAY)
-        assert streamed == whole, name
+def test_text_on_two_sides_of_dropped_framing_is_joined_as_written():
+    """Dropped control framing leaves the model's text as it wrote it: BPE pieces on
+    its two sides that spell an atom together are text (structure comes from ids)."""
+    text, ids = encode(
+        "x<|close|",
+        Control(THINK_END),
+        ">y",
+        Control(RESPONSE_END + MESSAGE_END),
+    )
+    for chunks in ([(text, ids)], token_chunks(ids)):
+        reader = ReasoningReader(start=Channel.RESPONSE, atoms=id_atoms())
+        events = [e for chunk in chunks for e in reader.feed(*chunk)]
+        events += reader.finish(stopped=True)
+        assert collect(events).content == "x<|close|>y"

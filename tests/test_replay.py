@@ -18,6 +18,7 @@ from vllm_k3_plugin.replay import (
     builtin_corpus,
     read_output,
     replay,
+    whole,
 )
 from vllm_k3_plugin.shapes import SHAPES
 
@@ -28,6 +29,8 @@ LOST_BY_VLLM = {
     "closer-whitespace (stop)",
     "skipped-then-tools (stop)",
     "skipped-then-tools (length)",
+    "prose-between-calls (stop)",
+    "prose-between-calls (length)",
 }
 
 
@@ -113,8 +116,23 @@ def test_replay_reads_every_shape_like_the_reader():
     summary = replay(outputs)
     assert summary.outputs == len(outputs) and summary.ours_split == []
     skipped = Output("x", SHAPES["skipped-channel"].output, "stop", True)
-    read = read_output(skipped, [skipped.text])
+    read = read_output(skipped, whole(skipped))
     assert read.replayed and read.content == read.reasoning
+
+
+def test_replay_counts_what_the_contract_reads():
+    summary = replay(builtin_corpus())
+    report = summary.report()
+    assert report["read_from_ids"] == summary.outputs
+    # Outputs showing each, every shape ended by a stop and by a cut: BPE-spelled
+    # markers in two shapes, think blocks in two, text between calls in one. No
+    # shape ends inside a call (a cut there is served in test_server_tools).
+    assert report["features"] == {
+        "quoted markers": 4,
+        "cut calls": 0,
+        "resumed think channels": 4,
+        "text between calls": 2,
+    }
 
 
 # A child that writes a large capture file, replays it through the CLI, and reports

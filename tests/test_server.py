@@ -12,8 +12,8 @@ import pytest
 from tests.endpoints import ENDPOINTS, chat, chat_stream
 from tests.test_server_tools import TOOL_SHAPES
 from vllm_k3_plugin import vocab
-from vllm_k3_plugin.shapes import SHAPES, SKIPPED_REPLY
-from vllm_k3_plugin.vocab import CLOSE, RESPONSE_END
+from vllm_k3_plugin.shapes import QUOTED_JSON, SHAPES, SKIPPED_REPLY, output_ids
+from vllm_k3_plugin.vocab import RESPONSE_END
 
 pytestmark = pytest.mark.server
 
@@ -31,8 +31,10 @@ EXPECTED = {
     "unseparated-think-exit": (("Thought.", "Final."),) * 2,
     "self-opened-response": (("Thought.", "Final."),) * 2,
     "no-closer": (("Just thinking", ""),) * 2,
-    "closer-cut-mid-marker": (("Reply." + CLOSE + "response", ""),) * 2,
+    "closer-cut-mid-marker": (("Reply.", ""),) * 2,
     "thinking-off": (("", "Hi there."),) * 2,
+    "quoted-tools-opener": (("", "The section starts with  and lists the calls."),) * 2,
+    "bpe-markers": (("", "Use " + QUOTED_JSON + " here."),) * 2,
     "thinking-off-self-opened-think": (("hmm", "Ok."),) * 2,
     "thinking-off-declined-think": (("", "Ok."),) * 2,
 }
@@ -43,9 +45,9 @@ def test_every_shape_is_pinned():
 
 
 def _request(hf_tokenizer, output: str, ending: str) -> tuple[list[int], int]:
-    ids = hf_tokenizer.encode(output, add_special_tokens=False)
+    ids = output_ids(output, stop=ending == "stop")
     if ending == "stop":
-        return [*ids, vocab.END_OF_MSG_ID], len(ids) + 16
+        return ids, len(ids) + 16
     return ids, len(ids)
 
 

@@ -17,7 +17,14 @@ from tests.expected_tools import TOOL_SHAPES as EXPECTED
 from tests.expected_tools import WEATHER as WEATHER_TEXT
 from tests.expected_tools import parsed
 from vllm_k3_plugin import vocab
-from vllm_k3_plugin.shapes import FILE_ARGUMENTS, RAW_ARGUMENTS, SHAPES, TOOLS
+from vllm_k3_plugin.shapes import (
+    FILE_ARGUMENTS,
+    RAW_ARGUMENTS,
+    SHAPES,
+    TOOLS,
+    output_ids,
+)
+from vllm_k3_plugin.vllm_adapter.serving_hooks import RAW_ARGUMENTS_KEY
 from vllm_k3_plugin.xtml import render_call, render_tools
 
 pytestmark = pytest.mark.server
@@ -32,7 +39,7 @@ TOOLS_CALLED = {"chat": "tool_calls", "responses": "completed", "messages": "too
 
 
 def _ids(hf_tokenizer, output: str) -> list[int]:
-    return [*hf_tokenizer.encode(output, add_special_tokens=False), vocab.END_OF_MSG_ID]
+    return output_ids(output, stop=True)
 
 
 def _expected_ids(calls) -> tuple[str, ...]:
@@ -79,22 +86,48 @@ def test_tool_choice_none_returns_no_calls_and_no_markup(k3_server, hf_tokenizer
     assert client_reply == ("Two lookups and a file.", "On it.", (), "stop")
 
 
-def test_call_cut_by_max_tokens(k3_server, hf_tokenizer):
+# What each endpoint reports as the finish of an output that ended inside a call.
+CUT_FINISH = {
+    "length": {"chat": "length", "responses": "incomplete", "messages": "max_tokens"},
+    "stop": {"chat": "stop", "responses": "completed", "messages": "end_turn"},
+}
+
+
+@pytest.mark.parametrize("ended_by", ["length", "stop"])
+def test_a_cut_call_is_the_same_streamed_and_whole_on_every_endpoint(
+    k3_server, ended_by
+):
+    """Rule 9: the call as it streamed, arguments verbatim and never closed, on both
+    paths of every endpoint; the finish is what ended the output; every Messages
+    answer is valid (a call whose arguments are not JSON keeps them as text)."""
     output = "Checking." + render_tools([WEATHER])
-    ids = hf_tokenizer.encode(
-        output[: output.index("Paris") + 3], add_special_tokens=False
-    )
-    whole = chat(k3_server, ids, max_tokens=len(ids), tools=TOOLS)
-    assert (whole.reasoning, whole.content, whole.tool_calls, whole.finish) == (
-        "Checking.",
-        "",
-        (),
-        "length",
-    )
-    streamed = chat_stream(k3_server, ids, max_tokens=len(ids), tools=TOOLS)
-    # The name and arguments so far were sent as they arrived; never completed.
-    assert streamed.finish == "length"
-    assert streamed.raw_arguments == ('{"city": "Par',)
+    ids = output_ids(output[: output.index("Paris") + 3], stop=ended_by == "stop")
+    max_tokens = len(ids) if ended_by == "length" else len(ids) + 8
+    for endpoint in ("chat", "responses", "messages"):
+        replies = []
+        for read in (ENDPOINTS[endpoint], ENDPOINTS[endpoint + "-stream"]):
+            reply = read(k3_server, ids, max_tokens=max_tokens, tools=TOOLS)
+            (arguments,) = reply.raw_arguments
+            if endpoint == "messages" and RAW_ARGUMENTS_KEY in arguments:
+                arguments = json.loads(arguments)[RAW_ARGUMENTS_KEY]
+            replies.append(
+                (
+                    reply.reasoning,
+                    reply.content,
+                    tuple(name for name, _ in reply.tool_calls),
+                    arguments,
+                    reply.finish,
+                )
+            )
+        whole, streamed = replies
+        assert whole == streamed, endpoint
+        assert whole == (
+            "Checking.",
+            "",
+            ("get_weather",),
+            '{"city": "Par',
+            CUT_FINISH[ended_by][endpoint],
+        ), endpoint
 
 
 def _chat_with(url, ids, stream, **fields):

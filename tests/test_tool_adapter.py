@@ -20,7 +20,7 @@ from vllm.tool_parsers import ToolParserManager
 import vllm_k3_plugin
 from tests.expected_tools import TOOL_SHAPES, WEATHER, history_with_calls
 from vllm_k3_plugin import compare, vocab
-from vllm_k3_plugin.shapes import SHAPES, TOOLS
+from vllm_k3_plugin.shapes import SHAPES, TOOLS, output_ids
 from vllm_k3_plugin.vllm_adapter.tool_parser import K3ToolParser
 from vllm_k3_plugin.xtml import render_tools
 
@@ -42,8 +42,7 @@ def _request(**fields) -> ChatCompletionRequest:
 
 
 def _ids(hf_tokenizer, text: str, *, stop: bool = True) -> list[int]:
-    ids = hf_tokenizer.encode(text, add_special_tokens=False)
-    return [*ids, vocab.END_OF_MSG_ID] if stop else ids
+    return output_ids(text, stop=stop)
 
 
 def _both(hf_tokenizer, ids, request, thinking=True):
@@ -165,8 +164,8 @@ def test_invalid_json_block_is_returned_verbatim(hf_tokenizer):
 
 
 def test_call_cut_by_max_tokens(hf_tokenizer):
-    """Whole: no call, no markup. Streamed: the name and the arguments so far were
-    already sent (nothing can take them back) and the call is never completed."""
+    """Rule 9: the cut call is in the reply on both paths, as it streamed: its name
+    and its arguments as far as they arrived, never closed into JSON."""
     output = (
         "Checking."
         + render_tools([("get_weather", {"city": "Paris"})])[: -len(vocab.TOOLS_END)]
@@ -174,9 +173,9 @@ def test_call_cut_by_max_tokens(hf_tokenizer):
     cut = output[: output.index("Paris") + 3]
     ids = _ids(hf_tokenizer, cut, stop=False)
     whole, streamed = _both(hf_tokenizer, ids, _request(max_tokens=len(ids)))
-    assert (whole.reasoning, whole.content, whole.tool_calls) == ("Checking.", "", ())
-    assert (streamed.reasoning, streamed.content) == ("Checking.", "")
-    assert streamed.tool_calls == (("get_weather", '{"city": "Par'),)
+    assert whole == streamed
+    assert (whole.reasoning, whole.content) == ("Checking.", "")
+    assert whole.tool_calls == (("get_weather", '{"city": "Par'),)
 
 
 @pytest.mark.parametrize("stop", [True, False], ids=["stopped", "cut"])
@@ -188,9 +187,9 @@ def test_reply_before_a_cut_call_keeps_its_content(hf_tokenizer, stop):
     whole, streamed = _both(
         hf_tokenizer, _ids(hf_tokenizer, output, stop=stop), _request()
     )
+    # A call cut before its first argument streamed nothing and is no call.
+    assert whole == streamed
     assert (whole.content, whole.tool_calls) == ("Sure.", ())
-    assert streamed.content == "Sure."
-    assert streamed.tool_calls == (("get_weather", ""),)
 
 
 def test_no_tool_parser_keeps_the_channel_as_content(hf_tokenizer):

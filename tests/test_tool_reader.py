@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.k3_ids import Control, encode, id_atoms, token_chunks
 from vllm_k3_plugin import vocab
 from vllm_k3_plugin.tool_reader import (
     MAX_TAG_CHARS,
@@ -15,10 +16,12 @@ from vllm_k3_plugin.tool_reader import (
     CallClosed,
     CallOpened,
     Dropped,
+    Prose,
     ToolCall,
     ToolCallReader,
     collect_calls,
     read_calls,
+    read_tools,
     typed_value_json,
 )
 from vllm_k3_plugin.xtml import (
@@ -229,6 +232,12 @@ def test_value_missing_its_closer_ends_at_the_call_closer():
     assert _args_of(markup) == [("a", {"x": "v"})]
 
 
+@pytest.mark.parametrize("value", ["<|open", "<|close|", "|>", "<|", "a|>b<"])
+def test_partial_atoms_inside_a_string_value_are_text(value):
+    markup = _tools(_call("f", _arg("s", "string", f"a{value}b")))
+    assert _args_of(markup) == [("f", {"s": f"a{value}b"})]
+
+
 @pytest.mark.parametrize(
     "value",
     [
@@ -237,22 +246,57 @@ def test_value_missing_its_closer_ends_at_the_call_closer():
         vocab.TOOLS_START,
         vocab.CALL_END_UNSEPARATED + "ing",
         vocab.JSON_END,
+        vocab.ARGUMENT_END + SEP,
         f'{OPEN}argument key="y"{SEP}',
-        "<|open",
-        "<|close|",
-        "|>",
         vocab.END_OF_MSG,
+        vocab.RESPONSE_END + vocab.MESSAGE_END,
     ],
 )
-def test_markers_inside_a_string_value_are_text(value):
-    markup = _tools(_call("f", _arg("s", "string", f"a{value}b")))
-    assert _args_of(markup) == [("f", {"s": f"a{value}b"})]
+def test_bpe_spelled_markers_inside_a_string_value_are_text(value):
+    text, ids = encode(
+        Control(vocab.TOOLS_START + f'{OPEN}call tool="f"{SEP}'),
+        Control(f'{OPEN}argument key="s" type="string"{SEP}'),
+        f"a{value}b",
+        Control(vocab.ARGUMENT_END + vocab.CALL_END + vocab.TOOLS_END),
+    )
+    for chunks in ([(text, ids)], token_chunks(ids)):
+        reader = ToolCallReader(id_atoms())
+        events = [e for chunk in chunks for e in reader.feed(*chunk)] + reader.finish()
+        (call,) = collect_calls(events)
+        assert json.loads(call.arguments) == {"s": f"a{value}b"}
+
+
+def test_a_control_closer_inside_a_value_ends_it_and_the_call():
+    value = "2;" + vocab.RESPONSE_END + vocab.MESSAGE_END
+    markup = vocab.TOOLS_START + _call("f", _arg("s", "string", value))
+    read = read_tools(markup)
+    assert [(c.name, c.arguments, c.complete) for c in read.calls] == [
+        ("f", '{"s": "2;"}', True)
+    ]
+    assert read.prose == ""
+
+
+def test_a_control_opener_inside_a_value_ends_it():
+    second = f'{OPEN}argument key="t"{SEP}u{vocab.ARGUMENT_END}'
+    markup = _tools(_call("f", f'{OPEN}argument key="s"{SEP}Par' + second))
+    assert _args_of(markup) == [("f", {"s": "Par", "t": "u"})]
+    # A tools channel and a call opened inside a value: a second call.
+    inner = vocab.TOOLS_START + _call("g", _arg("x", "number", "1"), index=2)
+    markup = _tools(_call("f", f'{OPEN}argument key="s"{SEP}Par' + inner))
+    assert _args_of(markup) == [("f", {"s": "Par"}), ("g", {"x": 1})]
 
 
 def test_stop_token_spelling_inside_a_typed_value_is_text():
     value = json.dumps({vocab.END_OF_MSG: [vocab.OPEN]})
-    markup = _tools(_call("f", _arg("o", "object", value)))
-    assert _args_of(markup) == [("f", {"o": json.loads(value)})]
+    text, ids = encode(
+        Control(vocab.TOOLS_START + f'{OPEN}call tool="f"{SEP}'),
+        Control(f'{OPEN}argument key="o" type="object"{SEP}'),
+        value,
+        Control(vocab.ARGUMENT_END + vocab.CALL_END + vocab.TOOLS_END),
+    )
+    reader = ToolCallReader(id_atoms())
+    (call,) = collect_calls(reader.feed(text, ids) + reader.finish())
+    assert json.loads(call.arguments) == {"o": json.loads(value)}
 
 
 def test_argument_without_key_and_mixed_forms_are_dropped():
@@ -275,48 +319,82 @@ def test_argument_without_key_and_mixed_forms_are_dropped():
     ]
 
 
-def test_unknown_elements_and_stray_text_are_framing():
+def test_text_outside_calls_is_prose_and_unknown_elements_are_dropped():
     markup = _tools(
-        f'junk {OPEN}note x="1"{SEP}ignored{CLOSE}note{SEP}',
-        _call("f", f" text {OPEN}hint{SEP}h{CLOSE}hint{SEP}" + _arg("a", None, "1")),
-        f"{vocab.ARGUMENT_END}{SEP}{CLOSE}",
+        f'junk {OPEN}note x="1"{SEP}kept{CLOSE}note{SEP}\n',
+        _call("f", _arg("a", None, "1") + f" text {OPEN}hint{SEP}h{CLOSE}hint{SEP}"),
+        f"\n  {vocab.ARGUMENT_END}{SEP}{CLOSE}",
     )
-    assert _args_of(markup) == [("f", {"a": "1"})]
+    read = read_tools(markup)
+    assert [(c.name, json.loads(c.arguments)) for c in read.calls] == [
+        ("f", {"a": "1"})
+    ]
+    # Whitespace alone between elements is framing; runs with words keep theirs.
+    assert read.prose == "junk kept text h"
+    assert [d.reason for d in read.dropped] == [
+        "an unknown element 'note'",
+        "an unknown element 'hint'",
+    ]
 
 
 @pytest.mark.parametrize(
-    "cut_at",
+    ("cut_at", "arguments"),
     [
-        f'{OPEN}call tool="f" ind',
-        f'{OPEN}call tool="f"{SEP}',
-        f'{OPEN}call tool="f"{SEP}{OPEN}argument key="a"{SEP}half a val',
-        f'{OPEN}call tool="f"{SEP}{OPEN}argument key="a"{SEP}v{CLOSE}argu',
-        f'{OPEN}call tool="f"{SEP}{OPEN}argument key="a"{SEP}v{vocab.ARGUMENT_END}',
-        f'{OPEN}call tool="f"{SEP}{OPEN}json type="object"{SEP}{{"a":',
+        (f'{OPEN}call tool="f" ind', None),
+        (f'{OPEN}call tool="f"{SEP}', None),
+        (
+            f'{OPEN}call tool="f"{SEP}{OPEN}argument key="a"{SEP}half a val',
+            '{"a": "half a val',
+        ),
+        (
+            f'{OPEN}call tool="f"{SEP}{OPEN}argument key="a"{SEP}v{CLOSE}argu',
+            '{"a": "v',
+        ),
+        (
+            f'{OPEN}call tool="f"{SEP}{OPEN}argument key="a"{SEP}v{vocab.ARGUMENT_END}',
+            '{"a": "v"',
+        ),
+        (
+            f'{OPEN}call tool="f"{SEP}{OPEN}argument key="n" type="number"{SEP}1.',
+            '{"n": 1.',
+        ),
+        (f'{OPEN}call tool="f"{SEP}{OPEN}json type="object"{SEP}{{"a":', '{"a":'),
     ],
 )
-def test_a_call_cut_off_yields_no_call(cut_at):
+def test_a_call_cut_off_is_a_cut_call_as_it_streamed(cut_at, arguments):
     markup = vocab.TOOLS_START + _call("done", "") + cut_at
     calls, dropped = read_calls(markup)
-    assert [c.name for c in calls] == ["done"]
-    opened = SEP in cut_at
+    expected = [("done", "{}", True)]
+    if arguments is not None:
+        expected.append(("f", arguments, False))
+    assert [(c.name, c.arguments, c.complete) for c in calls] == expected
+    assert collect_calls(_streamed(list(markup))) == calls
+    named_only = cut_at.endswith(SEP) and "argument" not in cut_at
     assert [d.reason for d in dropped] == (
-        ["cut off before its closer"] if opened else []
+        ["a call cut off before its first argument"] if named_only else []
     )
 
 
-def test_opener_interrupted_by_a_marker_is_dropped():
+def test_opener_interrupted_by_a_marker_is_text():
     markup = _tools(f'{OPEN}call tool="a"{OPEN}call tool="b"{SEP}{vocab.CALL_END}')
-    calls, dropped = read_calls(markup)
-    assert [c.name for c in calls] == ["b"]
-    assert [d.reason for d in dropped] == ["an opener without its separator"]
+    read = read_tools(markup)
+    assert [c.name for c in read.calls] == ["b"]
+    assert read.prose == 'call tool="a"'
+    assert [d.reason for d in read.dropped] == ["an opener that never completed"]
 
 
-def test_overlong_opener_is_dropped():
+def test_an_opener_running_into_prose_is_text_at_once():
+    reader = ToolCallReader()
+    events = reader.feed(vocab.TOOLS_START + f'{OPEN}call tool="f" and then')
+    assert events[-1] == Prose('call tool="f" and then')
+
+
+def test_overlong_opener_is_text():
     markup = _tools(_call("x" * (MAX_TAG_CHARS + 1), ""), _call("ok", "", index=2))
-    calls, dropped = read_calls(markup)
-    assert [c.name for c in calls] == ["ok"]
-    assert "longer than" in dropped[0].reason
+    read = read_tools(markup)
+    assert [c.name for c in read.calls] == ["ok"]
+    assert read.prose.startswith('call tool="xxx')
+    assert read.dropped[0].reason == "an opener that never completed"
 
 
 def test_second_tools_channel_continues_the_numbering():
@@ -339,10 +417,18 @@ def test_typed_value_json_rejects_non_json_constants():
 # -- streaming ----------------------------------------------------------------------
 
 
-def test_name_goes_out_when_the_opener_completes():
+def test_name_goes_out_when_the_first_argument_opener_completes():
     reader = ToolCallReader()
     assert reader.feed(vocab.TOOLS_START + f'{OPEN}call tool="write" index="1"') == []
-    assert reader.feed(SEP) == [CallOpened(0, "write")]
+    assert reader.feed(SEP + "\n" + f'{OPEN}argument key="a"') == []
+    assert reader.feed(SEP) == [CallOpened(0, "write"), ArgumentsDelta(0, '{"a": "')]
+    reader = ToolCallReader()
+    reader.feed(vocab.TOOLS_START + f'{OPEN}call tool="ping"{SEP}')
+    assert reader.feed(vocab.CALL_END) == [
+        CallOpened(0, "ping"),
+        ArgumentsDelta(0, "{}"),
+        CallClosed(0),
+    ]
 
 
 def test_long_string_value_streams_in_pieces_as_it_arrives():
@@ -529,14 +615,15 @@ def test_escaped_lone_surrogates_stay_escaped():
 
 
 def test_a_closer_that_begins_like_the_call_closer_is_an_unknown_element():
-    body = f"{OPEN}call_meta{SEP}x{CLOSE}call_meta{SEP}" + _arg("a", "number", "1")
-    assert _args_of(_tools(_call("f", body))) == [("f", {"a": 1})]
+    body = _arg("a", "number", "1") + f"{OPEN}call_meta{SEP}x{CLOSE}call_meta{SEP}"
+    body += _arg("b", "number", "2")
+    assert _args_of(_tools(_call("f", body))) == [("f", {"a": 1, "b": 2})]
     # Fed one character at a time, the same.
     markup = _tools(_call("f", body))
     assert collect_calls(_streamed(list(markup))) == read_calls(markup)[0]
 
 
-def test_an_overlong_call_opener_still_closes_the_open_call():
+def test_an_overlong_call_opener_is_text_inside_the_open_call():
     markup = (
         vocab.TOOLS_START
         + f'{OPEN}call tool="a"{SEP}'
@@ -546,6 +633,8 @@ def test_an_overlong_call_opener_still_closes_the_open_call():
         + vocab.CALL_END
         + vocab.TOOLS_END
     )
-    calls, dropped = read_calls(markup)
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1})]
-    assert "longer than" in dropped[0].reason
+    read = read_tools(markup)
+    assert [(c.name, json.loads(c.arguments)) for c in read.calls] == [
+        ("a", {"x": 1, "z": 2})
+    ]
+    assert read.dropped[0].reason == "an opener that never completed"

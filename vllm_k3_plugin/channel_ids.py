@@ -8,9 +8,11 @@ than the reader ends reasoning (never earlier).
 
 The think channel ends, as in the reader, at ``<|close|>think<|sep|>`` (or
 ``<|close|>think`` followed directly by another element), at
-``<|open|>response<|sep|>`` and at ``<|open|>tools<|sep|>``. A streaming step looks
-only at elements whose last id is in the delta, plus at most ``MAX_NAME_IDS + 1`` ids
-before it: O(delta) per step.
+``<|open|>response<|sep|>``, and at a tools channel: ``<|open|>tools<|sep|>`` followed,
+whitespace aside, by a call opener (``<|open|>call`` and a space or ``<|sep|>``). The
+channel then ends after the tools opener, decided at the id that completes
+``call ``. A streaming step looks only at the delta and at most ``_LOOKBACK_DECISION``
+ids before it: O(delta) per step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 
+from vllm_k3_plugin import vocab
 from vllm_k3_plugin.vocab import CLOSE_ID, OPEN_ID, SEP_ID
 
 Decode = Callable[[Sequence[int]], str]
@@ -27,10 +30,19 @@ MAX_NAME_IDS = 4
 _LOOKBACK = MAX_NAME_IDS + 1
 
 
+# Whitespace tokens between a tools opener and the call opener that decides it, at
+# most (a longer run is read as the opener being quoted only by the reader's text).
+_MAX_SPACE_IDS = 8
+_CALL = "call"
+# Ids a streaming step looks back to find a tools opener its delta decides.
+_LOOKBACK_DECISION = _MAX_SPACE_IDS + 2 * _LOOKBACK
+
+
 class Boundary(enum.Enum):
     THINK_OPENED = "think opened"
     THINK_ENDED = "think ended"
     RESPONSE_OPENED = "response opened"
+    TOOLS_OPENED = "tools opened"
     OTHER = "other element"
 
 
@@ -42,7 +54,7 @@ def _classify(opener: int, name: str, terminator: int) -> Boundary:
             if name == "response":
                 return Boundary.RESPONSE_OPENED
             if name == "tools":
-                return Boundary.THINK_ENDED
+                return Boundary.TOOLS_OPENED
         elif name == "think":
             return Boundary.THINK_ENDED
         return Boundary.OTHER
@@ -74,9 +86,12 @@ def _ends_reasoning(boundary: Boundary | None) -> bool:
 
 
 def newest_boundary(ids: Sequence[int], decode: Decode) -> Boundary | None:
-    """The last channel element in ``ids``, scanning back from the end."""
+    """The last channel element in ``ids``, scanning back from the end (a tools
+    opener counts as the end of the think channel: this reads prompts)."""
     for end in range(len(ids) - 1, 0, -1):
         boundary = _element_ending_at(ids, end, decode)
+        if boundary is Boundary.TOOLS_OPENED:
+            return Boundary.THINK_ENDED
         if boundary is not None and boundary is not Boundary.OTHER:
             return boundary
     return None
@@ -91,13 +106,65 @@ def reasoning_open_after(ids: Sequence[int], decode: Decode) -> bool | None:
     return boundary is Boundary.THINK_OPENED
 
 
+def _tools_decided_at(ids: Sequence[int], start: int, decode: Decode) -> int | None:
+    """After a tools opener ending before ``start``: the index of the id that shows
+    a call opener follows (whitespace aside), ``-1`` if something else follows, or
+    ``None`` while the ids so far leave it open."""
+    at = start
+    while at < len(ids) and ids[at] < vocab.BPE_RANK_COUNT:
+        if at - start >= _MAX_SPACE_IDS or not decode(ids[at : at + 1]).isspace():
+            return -1
+        at += 1
+    if at == len(ids):
+        return None
+    if ids[at] != OPEN_ID:
+        return -1
+    for end in range(at + 1, min(len(ids), at + 2 + _LOOKBACK)):
+        if ids[end] == SEP_ID:
+            return end if decode(ids[at + 1 : end]) == _CALL else -1
+        if ids[end] >= vocab.BPE_RANK_COUNT:
+            return -1
+        name = decode(ids[at + 1 : end + 1])
+        if name.startswith(_CALL + " "):
+            return end
+        if not _CALL.startswith(name) and name != _CALL:
+            return -1
+    return None if len(ids) < at + 2 + _LOOKBACK else -1
+
+
+def _exits(ids: Sequence[int], decode: Decode, first_end: int):
+    """``(exit, decided_at)`` for each element ending the think channel whose last id
+    is at ``first_end`` or later, in order; ``decided_at`` is ``None`` for a tools
+    opener the ids so far leave undecided (it is the last one yielded)."""
+    for end in range(max(1, first_end), len(ids)):
+        boundary = _element_ending_at(ids, end, decode)
+        if _ends_reasoning(boundary):
+            # The lenient exit (no separator): the next element starts at ``end``.
+            yield (end + 1 if ids[end] == SEP_ID else end), end
+        elif boundary is Boundary.TOOLS_OPENED:
+            decided = _tools_decided_at(ids, end + 1, decode)
+            if decided is None:
+                yield end + 1, None
+                return
+            if decided >= 0:
+                yield end + 1, decided
+
+
+def reasoning_end(ids: Sequence[int], decode: Decode) -> tuple[int, int] | None:
+    """``(exit, decided_at)`` of the element that ends the think channel: the index
+    just past it, and the index of the id that decided it; None if undecided."""
+    for exit_at, decided in _exits(ids, decode, 1):
+        return None if decided is None else (exit_at, decided)
+    return None
+
+
 def reasoning_ends_in_delta(ids: Sequence[int], delta_len: int, decode: Decode) -> bool:
-    """Whether an element that ends the think channel completes in the last
-    ``delta_len`` ids of ``ids``."""
-    first = max(1, len(ids) - delta_len)
+    """Whether the think channel's end is decided by one of the last ``delta_len``
+    ids of ``ids``."""
+    first = len(ids) - delta_len
     return any(
-        _ends_reasoning(_element_ending_at(ids, end, decode))
-        for end in range(first, len(ids))
+        decided is not None and decided >= first
+        for _, decided in _exits(ids, decode, max(1, first - _LOOKBACK_DECISION))
     )
 
 
@@ -105,12 +172,9 @@ def reasoning_exit_at_or_after(
     ids: Sequence[int], decode: Decode, first_end: int = 1
 ) -> int | None:
     """Index just past the first element ending the think channel whose last id is
-    at ``first_end`` or later; None if there is none yet."""
-    for end in range(max(1, first_end), len(ids)):
-        if _ends_reasoning(_element_ending_at(ids, end, decode)):
-            if ids[end] == SEP_ID:
-                return end + 1
-            return end  # the lenient exit: the next element starts here
+    at ``first_end`` or later; None if there is none yet, or it is undecided."""
+    for exit_at, decided in _exits(ids, decode, first_end):
+        return None if decided is None else exit_at
     return None
 
 
@@ -153,6 +217,13 @@ class ReasoningCount:
         if len(output_ids) < self._seen:
             self._seen, self._end = 0, None
         if self._end is None:
-            self._end = reasoning_exit_at_or_after(output_ids, decode, self._seen)
-            self._seen = len(output_ids)
+            found = next(_exits(output_ids, decode, self._seen), None)
+            if found is None:
+                self._seen = len(output_ids)
+            elif found[1] is None:
+                # A tools opener not yet decided: look at it again next time.
+                self._seen = found[0] - 1
+            else:
+                self._end = found[0]
+                self._seen = len(output_ids)
         return len(output_ids) if self._end is None else self._end

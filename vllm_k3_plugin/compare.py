@@ -70,6 +70,18 @@ def our_parser_cls(tool_parser: str | None = None) -> type:
     )
 
 
+def text_only(parser_cls: type) -> type:
+    """Our parser class reading structure from text alone (the fallback for callers
+    without token ids), to measure what reading the ids costs beside it."""
+    from vllm_k3_plugin import marked
+
+    return type(
+        "TextOnly" + parser_cls.__name__,
+        (parser_cls,),
+        {"_atoms": lambda self, ids: marked.TextAtoms()},
+    )
+
+
 def _in_tree_tool_parser_cls(name: str | None) -> type | None:
     """vLLM's own tool parser of that name, even where the plugin replaced it."""
     if name is None:

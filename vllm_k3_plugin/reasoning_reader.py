@@ -1,15 +1,32 @@
-"""ReasoningReader: the think/response/tools state machine of K3_FORMAT.md, rules 1-7.
+"""ReasoningReader: the channels of a K3 output (K3_FORMAT.md, rules 1-7).
 
-Sans-I/O: feed model text in any chunking, get ``Reasoning`` / ``Content`` /
-``ToolMarkup`` events; ``finish(stopped=...)`` ends the output. The non-streaming read
-is this reader fed the whole output (``read_whole``), so the two agree by construction.
+Sans-I/O: feed the output (its text, and its token ids where the caller has them) in
+any chunking, get ``Reasoning`` / ``Content`` / ``ToolMarkup`` events;
+``finish(stopped=...)`` ends the output. The non-streaming read is this reader fed
+the whole output (``read_whole``), so the two agree by construction.
+
+Structure is read from marked text (``marked``): with ids, only control atoms are
+structure; without them (a saved text), every atom string is.
+
+Channels and how they end:
+
+- The think channel ends at its closer, at a model-opened response, or at a tools
+  channel: a tools opener followed, whitespace aside, by a call opener. A tools
+  opener followed by anything else is quoted and dropped. Bound: the opener and the
+  whitespace after it wait for the next marker or word.
+- A think channel a tools channel interrupted goes on after that channel closes; a
+  think block opened later (in the reply, in the tools channel) is reasoning until
+  its exit, joined to the rest in order.
+- The tools channel is handed to the tool-call reader raw (``ToolMarkup``, marked),
+  from its opener to its closer.
 
 Invariants:
 
 - Work per feed is proportional to the chunk (plus one replay of the channel when a
   skipped channel is decided); nothing rescans earlier text.
-- Framing never reaches content; inside the think channel it is dropped, and only a
-  quoted answer closer (one the channel goes on past) reaches reasoning.
+- Control framing never reaches content; in the think channel it is dropped, and
+  only a quoted answer closer (one the channel goes on past) reaches reasoning, as
+  its atom strings. A marker cut off at the end of the output is dropped.
 - The think channel is kept once (``_KeptText``) while it is open, only because the
   replay or the hold-back policy needs it, and dropped when the channel is decided.
 """
@@ -17,8 +34,10 @@ Invariants:
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import NamedTuple
 
+from vllm_k3_plugin import marked as m
 from vllm_k3_plugin import vocab
 from vllm_k3_plugin.scanner import MarkerScanner
 
@@ -32,7 +51,7 @@ class Content(NamedTuple):
 
 
 class ToolMarkup(NamedTuple):
-    """Raw text of the tools channel, markers included, for the tool-call reader."""
+    """Marked text of the tools channel, markers included, for the tool-call reader."""
 
     text: str
 
@@ -64,30 +83,38 @@ class Reading(NamedTuple):
     tool_markup: str
 
 
-_THINK_EXITS = frozenset(vocab.THINK_EXITS)
-# Markers that change the think channel's state; all other framing there is dropped.
-# In the reply, a call opener without its tools channel opens one (the think channel
-# ends only at the markers of rule 3, which the engine's id-level answer also knows).
-_TOOLS_OPENERS = frozenset({vocab.TOOLS_START, vocab.CALL_START_UNWRAPPED})
-_THINK_STATE_MARKERS = _THINK_EXITS | {vocab.TOOLS_START, vocab.RESPONSE_END}
-_RESPONSE_STATE_MARKERS = _TOOLS_OPENERS
-_ATOMS = tuple(vocab.ADDED_TOKENS)
-# Content kept to find an atom that the next piece completes.
-_ATOM_TAIL = max(len(atom) for atom in vocab.CONTROL_ATOMS) - 1
-# Every control atom ends with this character.
-_ATOM_LAST = ">"
-assert all(atom.endswith(_ATOM_LAST) for atom in vocab.CONTROL_ATOMS)
+# Markers as the readers spell them (marked text).
+THINK_START = m.marked(vocab.THINK_START)
+THINK_END = m.marked(vocab.THINK_END)
+RESPONSE_START = m.marked(vocab.RESPONSE_START)
+RESPONSE_END = m.marked(vocab.RESPONSE_END)
+TOOLS_START = m.marked(vocab.TOOLS_START)
+TOOLS_END = m.marked(vocab.TOOLS_END)
+CALL_START = m.marked(vocab.CALL_START_UNWRAPPED)
+CALL_START_BARE = m.marked(vocab.opener(vocab.CALL))
+_THINK_EXITS = frozenset(m.marked_all(vocab.THINK_EXITS))
+_CALL_STARTS = frozenset({CALL_START, CALL_START_BARE})
+MARKERS = (
+    *m.marked_all(vocab.REASONING_MARKERS),
+    CALL_START_BARE,
+)
+# Markers that change the state; all other framing there is dropped.
+_THINK_STATE_MARKERS = _THINK_EXITS | {TOOLS_START, RESPONSE_END, CALL_START}
+_RESPONSE_STATE_MARKERS = _CALL_STARTS | {TOOLS_START, THINK_START}
 
 
 class ReasoningReader:
-    """One request's reader. ``start`` is the channel the prompt leaves open."""
+    """One request's reader. ``start`` is the channel the prompt leaves open;
+    ``atoms`` tells structure from text (``marked.TextAtoms`` if not given)."""
 
     __slots__ = (
         "_after_closer",
+        "_after_tools",
         "_at_offset_zero",
+        "_atoms",
+        "_block_origin",
         "_channel",
         "_closer_pending",
-        "_content_tail",
         "_events",
         "_kept",
         "_kept_quoted",
@@ -96,21 +123,33 @@ class ReasoningReader:
         "_run",
         "_run_kind",
         "_scanner",
+        "_tools_held",
+        "think_blocks",
     )
 
     def __init__(
         self,
         start: Channel = Channel.THINK,
         policy: ReplayPolicy = ReplayPolicy.REPLAY,
+        atoms: m.TextAtoms | m.IdAtoms | None = None,
     ) -> None:
         if start not in (Channel.THINK, Channel.RESPONSE):
             raise ValueError(f"an output starts in think or response, not {start}")
-        self._scanner = MarkerScanner(vocab.REASONING_MARKERS)
+        self._atoms = atoms if atoms is not None else m.TextAtoms()
+        self._scanner = MarkerScanner(MARKERS)
         self._channel = start
         self._policy = policy
         self._replayed = False
         self._at_offset_zero = True
         self._kept: _KeptText | None = _KeptText() if start is Channel.THINK else None
+        # A think block (not the output's own think channel) returns here at its
+        # exit; ``None`` in the output's think channel and outside think.
+        self._block_origin: Channel | None = None
+        # Where the output goes on when the tools channel closes.
+        self._after_tools = Channel.RESPONSE
+        # A tools opener and the whitespace after it, undecided until the next
+        # marker (a call opener: a tools channel) or word (quoted).
+        self._tools_held: list[str] | None = None
         # After an answer closer in the think channel: the closer, whitespace and
         # framing that followed it, undecided until words, an exit or the end come.
         self._closer_pending = False
@@ -122,8 +161,9 @@ class ReasoningReader:
         # the feed ends: a thought full of dropped framing is still one event a feed.
         self._run: list[str] = []
         self._run_kind: type[ReaderEvent] | None = None
-        # The end of the content sent so far (see ``_break_joined_atoms``).
-        self._content_tail = ""
+        self.think_blocks = 0
+        """Think blocks after the output's own think channel: resumed after a tools
+        channel, or opened in the reply or between calls."""
 
     @property
     def channel(self) -> Channel:
@@ -136,20 +176,26 @@ class ReasoningReader:
 
     @property
     def in_reasoning(self) -> bool:
-        """Whether the think channel is still open (the engine's question)."""
+        """Whether a think channel is open (the engine's question)."""
         return self._channel is Channel.THINK
 
-    def feed(self, text: str) -> list[ReaderEvent]:
-        """Read the next chunk of the output; return the events it decides."""
+    @property
+    def reads_ids(self) -> bool:
+        """Whether structure is read from token ids (else from text alone)."""
+        return self._atoms.reads_ids
+
+    def feed(self, text: str, ids: Sequence[int] | None = None) -> list[ReaderEvent]:
+        """Read the next chunk of the output (its text, and the ids it came from
+        when reading ids); return the events it decides."""
         if self._channel is Channel.DONE:
             raise RuntimeError("feed() after finish()")
         self._events = events = []
-        parts = self._scanner.feed_parts(text)
+        parts = self._scanner.feed_parts(self._atoms.mark(text, ids))
         if len(parts) == 1:
             # The usual streaming step: text and no marker.
             if parts[0]:
                 self._on_text(parts[0])
-        else:
+        elif parts:
             self._read(parts)
         self._flush()
         self._events = []  # the caller's now: hold no reference to its text
@@ -161,65 +207,25 @@ class ReasoningReader:
         if self._channel is Channel.DONE:
             return []
         self._events = events = []
-        cut = "".join(event.text for event in self._scanner.finish())
-        # A marker cut off at the end is not a marker: never content, and not words
-        # after a closer. Reasoning keeps it as text; the tool reader sees it raw.
-        # The model writes each atom as one token, so a cut marker starts with a whole
-        # atom; a bare prefix of one (a reply ending in "<") is the model's text.
-        if self._channel is Channel.THINK:
+        # The start of an atom string that never completed is text.
+        self._scan(self._atoms.finish())
+        # A marker cut off at the end is not a marker: it starts with a control
+        # atom, and is dropped wherever it stands.
+        self._scanner.finish()
+        if self._tools_held is not None:
+            self._quote_tools_opener()
+        if self._channel is Channel.THINK and self._block_origin is None:
             self._end_think(replay=self._closer_pending and stopped)
-            if cut:
-                self._push(Reasoning, cut)
-        elif self._channel is Channel.TOOLS and cut:
-            self._push(ToolMarkup, cut)
-        elif cut and not cut.startswith(_ATOMS):
-            self._push(Content, cut)
         self._flush()
         self._events = []
         self._channel = Channel.DONE
         return events
 
     def _push(self, kind: type[ReaderEvent], text: str) -> None:
-        if kind is Content:
-            text = self._break_joined_atoms(text)
         if kind is not self._run_kind:
             self._flush()
             self._run_kind = kind
         self._run.append(text)
-
-    def _break_joined_atoms(self, text: str) -> str:
-        """``text`` as content, with ``ATOM_BREAK`` before the last character of any
-        control atom it completes. The scanner reads every whole atom in the output
-        as a marker, so an atom in content can only be joined from text on the two
-        sides of dropped framing (``<|close|`` + a dropped marker + ``>``). The break
-        goes before the atom's last character, which is always in the newest piece:
-        where it lands depends on the content alone, not on how it was chunked."""
-        tail = self._content_tail
-        if _ATOM_LAST in text:
-            ends = []
-            for atom in vocab.CONTROL_ATOMS:
-                last = len(atom) - 1
-                # Inside the piece (its text joined across dropped framing), and
-                # across the seam with the content before it: no copy of the piece.
-                ends += (found + last for found in _occurrences(text, atom))
-                edge = tail + text[:last]
-                ends += (
-                    found + last - len(tail)
-                    for found in _occurrences(edge, atom)
-                    if found < len(tail)
-                )
-            if ends:
-                pieces, at = [], 0
-                for end in sorted(ends):
-                    pieces += (text[at:end], vocab.ATOM_BREAK)
-                    at = end
-                pieces.append(text[at:])
-                text = "".join(pieces)
-        if len(text) >= _ATOM_TAIL:
-            self._content_tail = text[-_ATOM_TAIL:]
-        else:
-            self._content_tail = (tail + text)[-_ATOM_TAIL:]
-        return text
 
     def _flush(self) -> None:
         if self._run:
@@ -228,6 +234,17 @@ class ReasoningReader:
         self._run_kind = None
 
     # -- dispatch -----------------------------------------------------------------
+
+    def _scan(self, text: str) -> None:
+        if not text:
+            return
+        parts = self._scanner.feed_parts(text)
+        if len(parts) == 1:
+            # The usual streaming step: text and no marker.
+            if parts[0]:
+                self._on_text(parts[0])
+        else:
+            self._read(parts)
 
     def _read(self, parts: list[str]) -> None:
         """Dispatch the scanner's parts: text at even indices, markers at odd."""
@@ -256,6 +273,8 @@ class ReasoningReader:
 
     def _state_markers(self) -> frozenset[str] | None:
         """The markers that matter now, if all others are dropped; else ``None``."""
+        if self._tools_held is not None:
+            return None
         if self._channel is Channel.THINK and not self._closer_pending:
             return _THINK_STATE_MARKERS
         if self._channel is Channel.RESPONSE and not self._at_offset_zero:
@@ -263,6 +282,11 @@ class ReasoningReader:
         return None
 
     def _on_text(self, text: str) -> None:
+        if self._tools_held is not None:
+            if text.isspace():
+                self._tools_held.append(text)
+                return
+            self._quote_tools_opener()
         channel = self._channel
         if channel is Channel.THINK:
             self._think_text(text)
@@ -273,16 +297,69 @@ class ReasoningReader:
             self._push(ToolMarkup, text)
 
     def _on_marker(self, marker: str) -> None:
+        if self._tools_held is not None:
+            if marker in _CALL_STARTS:
+                held, self._tools_held = self._tools_held, None
+                self._enter_tools("".join(held) + marker)
+                return
+            self._quote_tools_opener()
         channel = self._channel
         if channel is Channel.THINK:
             self._think_marker(marker)
         elif channel is Channel.RESPONSE:
             self._response_marker(marker)
         else:
+            self._tools_marker(marker)
+
+    # -- tools openers (rule 3) ---------------------------------------------------
+
+    def _hold_tools_opener(self, marker: str) -> None:
+        self._at_offset_zero = False
+        self._tools_held = [marker]
+
+    def _quote_tools_opener(self) -> None:
+        """A tools opener not followed by a call: dropped; the whitespace after it
+        is text of the channel it was written in."""
+        held, self._tools_held = self._tools_held, None
+        space = "".join(held[1:])
+        if space:
+            self._on_text(space)
+
+    def _enter_tools(self, markup: str) -> None:
+        channel = self._channel
+        if channel is Channel.THINK:
+            if self._block_origin is None:
+                replay = self._closer_pending
+                self._end_think(replay=replay)
+                # Interrupted without an exit, the think channel goes on after.
+                self._after_tools = Channel.RESPONSE if replay else Channel.THINK
+            elif self._block_origin is Channel.RESPONSE:
+                self._after_tools = Channel.THINK
+            self._block_origin = None
+        elif channel is Channel.RESPONSE:
+            self._after_tools = Channel.RESPONSE
+        self._channel = Channel.TOOLS
+        self._at_offset_zero = False
+        self._push(ToolMarkup, markup)
+
+    def _tools_marker(self, marker: str) -> None:
+        if marker == THINK_START:
+            # A think block between calls: reasoning; it ends any call open.
             self._push(ToolMarkup, marker)
-            if marker == vocab.TOOLS_END:
+            self._open_block(Channel.TOOLS)
+            return
+        self._push(ToolMarkup, marker)
+        if marker == TOOLS_END:
+            if self._after_tools is Channel.THINK:
+                self._open_block(Channel.RESPONSE)
+            else:
                 self._channel = Channel.RESPONSE
-                self._at_offset_zero = False
+            self._at_offset_zero = False
+
+    def _open_block(self, origin: Channel) -> None:
+        self.think_blocks += 1
+        self._channel = Channel.THINK
+        self._block_origin = origin
 
     # -- think channel ------------------------------------------------------------
 
@@ -296,22 +373,32 @@ class ReasoningReader:
             self._closer_pending = False
             quoted, self._after_closer = self._after_closer, []
             for piece in quoted:
-                self._emit_reasoning(piece, quoted_marker=not piece.isspace())
+                if piece.isspace():
+                    self._emit_reasoning(piece)
+                else:
+                    self._emit_reasoning(m.unmarked(piece), quoted_marker=True)
         self._emit_reasoning(text)
 
     def _think_marker(self, marker: str) -> None:
+        origin = self._block_origin
         if marker in _THINK_EXITS:
-            self._end_think(replay=False)
-            self._channel = Channel.RESPONSE
+            if origin is None:
+                self._end_think(replay=False)
+                self._channel = Channel.RESPONSE
+            else:
+                self._block_origin = None
+                self._channel = Channel.RESPONSE if marker == RESPONSE_START else origin
             self._at_offset_zero = False
-        elif marker == vocab.TOOLS_START:
-            self._end_think(replay=self._closer_pending)
-            self._enter_tools(marker)
-        elif marker == vocab.RESPONSE_END:
+        elif marker == TOOLS_START:
+            self._hold_tools_opener(marker)
+        elif marker == RESPONSE_END and origin is None:
             self._at_offset_zero = False
             self._closer_pending = True
             self._after_closer.append(marker)
-        # Other framing inside the think channel is dropped.
+        elif marker == CALL_START:
+            # The start of an opener, not one: its atom is dropped, its words stay.
+            self._think_text(marker[1:])
+        # Other framing inside a think channel is dropped.
 
     def _emit_reasoning(self, text: str, *, quoted_marker: bool = False) -> None:
         if not text:
@@ -320,8 +407,9 @@ class ReasoningReader:
             start = self._kept.write(text)
             if quoted_marker:
                 self._kept_quoted.append((start, start + len(text)))
-        if self._policy is ReplayPolicy.REPLAY:
-            self._push(Reasoning, text)
+            if self._policy is ReplayPolicy.HOLD_BACK:
+                return
+        self._push(Reasoning, text)
 
     def _end_think(self, *, replay: bool) -> None:
         """Decide the think channel: it was the reply (``replay``) or a thought."""
@@ -345,19 +433,20 @@ class ReasoningReader:
     # -- response channel ---------------------------------------------------------
 
     def _response_marker(self, marker: str) -> None:
-        if marker in _TOOLS_OPENERS:
+        if marker == TOOLS_START:
+            self._hold_tools_opener(marker)
+        elif marker in _CALL_STARTS:
+            # A call opener without its tools channel opens one.
             self._enter_tools(marker)
-        elif self._at_offset_zero and marker == vocab.THINK_START:
-            # A thinking-off output that opens its own think channel.
-            self._channel = Channel.THINK
-            self._kept = _KeptText()
+        elif marker == THINK_START:
+            if self._at_offset_zero:
+                # A thinking-off output that opens its own think channel.
+                self._channel = Channel.THINK
+                self._kept = _KeptText()
+            else:
+                self._open_block(Channel.RESPONSE)
         # The think exit at offset 0 means "declined to think"; it and all other
         # framing are dropped from content.
-
-    def _enter_tools(self, marker: str) -> None:
-        self._channel = Channel.TOOLS
-        self._at_offset_zero = False
-        self._push(ToolMarkup, marker)
 
 
 class _KeptText:
@@ -389,14 +478,6 @@ class _KeptText:
         return "".join(self._blocks) + "".join(self._pieces)
 
 
-def _occurrences(text: str, atom: str):
-    """Where ``atom`` starts in ``text`` (atoms cannot overlap themselves)."""
-    found = text.find(atom)
-    while found != -1:
-        yield found
-        found = text.find(atom, found + len(atom))
-
-
 def _without_spans(text: str, spans: list[tuple[int, int]]) -> str:
     if not spans:
         return text
@@ -415,10 +496,12 @@ def read_whole(
     start: Channel = Channel.THINK,
     policy: ReplayPolicy = ReplayPolicy.REPLAY,
     tools_as_content: bool = False,
+    ids: Sequence[int] | None = None,
+    atoms: m.TextAtoms | m.IdAtoms | None = None,
 ) -> Reading:
     """The non-streaming read: the streaming reader fed the whole output once."""
-    reader = ReasoningReader(start=start, policy=policy)
-    events = reader.feed(text)
+    reader = ReasoningReader(start=start, policy=policy, atoms=atoms)
+    events = reader.feed(text, ids)
     events += reader.finish(stopped=stopped)
     return collect(events, tools_as_content=tools_as_content)
 
@@ -440,5 +523,6 @@ def collect(events: list[ReaderEvent], *, tools_as_content: bool = False) -> Rea
             content.append(event.text)
         else:
             tools.append(event.text)
-    tool_markup = "" if tools_as_content else "".join(tools)
-    return Reading("".join(reasoning), "".join(content), tool_markup)
+    if tools_as_content:
+        return Reading("".join(reasoning), m.unmarked("".join(content)), "")
+    return Reading("".join(reasoning), "".join(content), "".join(tools))

@@ -11,6 +11,8 @@ The file is streamed: memory does not grow with the number of outputs.
 
 from __future__ import annotations
 
+import codecs
+import functools
 import json
 import random
 import time
@@ -19,15 +21,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin import marked, vocab
 from vllm_k3_plugin.capture import iter_records
-from vllm_k3_plugin.reasoning_reader import (
-    Channel,
-    ReasoningReader,
-    ToolMarkup,
-    collect,
-)
-from vllm_k3_plugin.tool_reader import ToolCallReader, collect_calls
+from vllm_k3_plugin.output_reader import OutputReader, collect_output
+from vllm_k3_plugin.reasoning_reader import Channel
 
 SHAPES_IN_ORDER = (
     "answered",
@@ -57,41 +54,123 @@ class Read(NamedTuple):
     content: str
     calls: tuple[tuple[str, str], ...]
     replayed: bool
+    features: tuple[int, ...] = (0, 0, 0, 0)
+    """Counts of ``FEATURES``, in order."""
 
 
-def read_output(output: Output, chunks: Iterable[str]) -> Read:
-    """Our readers, fed ``chunks`` of ``output.text``."""
+# What the report counts beside the shapes: outputs showing each.
+FEATURES = (
+    "quoted markers",
+    "cut calls",
+    "resumed think channels",
+    "text between calls",
+)
+
+
+class Chunk(NamedTuple):
+    text: str
+    ids: list[int] | None
+
+
+def read_output(output: Output, chunks: Iterable[Chunk]) -> Read:
+    """Our reader, fed ``chunks`` of the output (with its ids where it has them)."""
     start = Channel.THINK if output.thinking else Channel.RESPONSE
-    reader = ReasoningReader(start=start)
-    tools = ToolCallReader()
+    tokens = _atom_tokens() if output.token_ids else None
+    atoms = marked.atoms_for(tokens is not None, tokens)
+    reader = OutputReader(start, atoms=atoms)
     events: list = []
-    tool_events: list = []
     for chunk in chunks:
-        events += reader.feed(chunk)
+        events += reader.feed(chunk.text, chunk.ids)
     events += reader.finish(stopped=output.finish_reason == "stop")
-    for event in events:
-        if type(event) is ToolMarkup:
-            tool_events += tools.feed(event.text)
-    tool_events += tools.finish()
-    reading = collect(events)
-    calls = tuple((c.name, c.arguments) for c in collect_calls(tool_events))
-    return Read(reading.reasoning, reading.content, calls, reader.replayed)
+    reading = collect_output(events)
+    calls = tuple((c.name, c.arguments) for c in reading.calls)
+    features = (
+        getattr(atoms, "quoted_atoms", 0),
+        sum(not c.complete for c in reading.calls),
+        reader.reasoning_reader.think_blocks,
+        reader.prose_chars,
+    )
+    replayed = reader.reasoning_reader.replayed
+    return Read(reading.reasoning, reading.content, calls, replayed, features)
+
+
+@functools.cache
+def _encoding() -> Any:
+    """The bundled Kimi BPE (tiktoken, which every vLLM installs); ``None`` without
+    tiktoken: outputs are then read from their text alone."""
+    try:
+        from vllm_k3_plugin.tokenizer import load_tiktoken_encoding
+
+        return load_tiktoken_encoding()
+    except ImportError:
+        return None
+
+
+@functools.cache
+def _atom_tokens() -> marked.AtomTokens | None:
+    encoding = _encoding()
+    if encoding is None:
+        return None
+    return marked.AtomTokens(lambda ids: encoding.decode(list(ids)))
 
 
 SMALL_CHUNKS_UP_TO = 4096
 
 
-def chunkings(text: str, seed: int) -> Iterator[list[str]]:
-    """The streamed chunkings every output is read at, besides whole: 64-character
-    chunks, 5-character chunks (outputs up to ``SMALL_CHUNKS_UP_TO`` characters, to
-    keep a large replay fast), and 31 random cuts."""
-    yield [text[i : i + 64] for i in range(0, len(text), 64)] or [""]
+def whole(output: Output) -> list[Chunk]:
+    return [Chunk(output.text, output.token_ids)]
+
+
+def chunkings(output: Output, seed: int) -> Iterator[list[Chunk]]:
+    """The streamed chunkings every output is read at, besides whole. With ids:
+    steps of 8 tokens, 1 token (outputs up to ``SMALL_CHUNKS_UP_TO`` ids) and random
+    steps of 1 to 16, each step's text as vLLM's detokenizer gives it. Without:
+    64-character chunks, 5-character chunks (up to ``SMALL_CHUNKS_UP_TO``
+    characters) and 31 random cuts."""
+    rng = random.Random(seed)
+    ids = output.token_ids
+    if ids and _encoding() is not None:
+        stop_dropped = (
+            output.finish_reason == "stop" and ids[-1] in vocab.MODEL_STOP_IDS
+        )
+        steps = [[8] * (len(ids) // 8 + 1)]
+        if len(ids) <= SMALL_CHUNKS_UP_TO:
+            steps.append([1] * len(ids))
+        steps.append([rng.randint(1, 16) for _ in range(len(ids))])
+        for sizes in steps:
+            yield detokenized(ids, sizes, stop_dropped)
+        return
+    text = output.text
+    yield [Chunk(text[i : i + 64], None) for i in range(0, len(text), 64)]
     if len(text) <= SMALL_CHUNKS_UP_TO:
-        yield [text[i : i + 5] for i in range(0, len(text), 5)] or [""]
+        yield [Chunk(text[i : i + 5], None) for i in range(0, len(text), 5)]
     if len(text) > 1:
-        rng = random.Random(seed)
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 31)))
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        yield [Chunk(text[a:b], None) for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def detokenized(ids: list[int], sizes: list[int], stop_dropped: bool) -> list[Chunk]:
+    """``ids`` in steps of ``sizes`` with each step's text, as vLLM's incremental
+    detokenizer hands it over (a character split across tokens comes whole; the
+    stop token that ended the output has no text)."""
+    encoding = _encoding()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    chunks, at = [], 0
+    for size in sizes:
+        step = ids[at : at + size]
+        if not step:
+            break
+        text = "".join(
+            decoder.decode(encoding.decode_single_token_bytes(token))
+            for offset, token in enumerate(step, at)
+            if not (stop_dropped and offset == len(ids) - 1)
+        )
+        at += size
+        chunks.append(Chunk(text, step))
+    if chunks:
+        last = chunks[-1]
+        chunks[-1] = Chunk(last.text + decoder.decode(b"", final=True), last.ids)
+    return chunks or [Chunk("", [])]
 
 
 def shape_of(output: Output, read: Read) -> str:
@@ -110,11 +189,14 @@ def shape_of(output: Output, read: Read) -> str:
 
 def builtin_corpus() -> Iterator[Output]:
     """The recorded shapes of ``shapes.py``, each ended by a stop and by a cut."""
-    from vllm_k3_plugin.shapes import SHAPES
+    from vllm_k3_plugin.shapes import SHAPES, output_ids
 
     for name, shape in SHAPES.items():
         for finish in ("stop", "length"):
-            yield Output(f"{name} ({finish})", shape.output, finish, shape.thinking)
+            ids = output_ids(shape.output, stop=finish == "stop")
+            yield Output(
+                f"{name} ({finish})", shape.output, finish, shape.thinking, ids
+            )
 
 
 def file_outputs(path: Path, malformed: list[str]) -> Iterator[Output]:
@@ -200,6 +282,8 @@ class Summary:
     def __init__(self, against_vllm: bool) -> None:
         self.outputs = 0
         self.shapes: Counter[str] = Counter()
+        self.features: Counter[str] = Counter()
+        self.read_from_ids = 0
         self.ours_split: list[str] = []
         self.against_vllm = against_vllm
         self.vllm_differs: Counter[str] = Counter()
@@ -212,6 +296,8 @@ class Summary:
         report: dict[str, Any] = {
             "outputs": self.outputs,
             "shapes": {shape: self.shapes[shape] for shape in SHAPES_IN_ORDER},
+            "features": {feature: self.features[feature] for feature in FEATURES},
+            "read_from_ids": self.read_from_ids,
             "streamed_vs_whole_disagree": len(self.ours_split),
             "disagreeing_ids": self.ours_split,
             "malformed_lines": self.malformed,
@@ -237,23 +323,26 @@ def replay(
     began = time.perf_counter()
     for number, output in enumerate(outputs):
         summary.outputs += 1
-        whole = read_output(output, [output.text])
+        read = read_output(output, whole(output))
         if any(
-            read_output(output, chunks) != whole
-            for chunks in chunkings(output.text, seed=number)
+            read_output(output, chunks) != read
+            for chunks in chunkings(output, seed=number)
         ):
             summary.ours_split.append(output.id)
-        summary.shapes[shape_of(output, whole)] += 1
+        summary.shapes[shape_of(output, read)] += 1
+        summary.read_from_ids += bool(output.token_ids) and _encoding() is not None
+        for feature, count in zip(FEATURES, read.features):
+            summary.features[feature] += count > 0
         if against is None:
             continue
-        theirs, theirs_streamed = against.read(output, (n for n, _ in whole.calls))
+        theirs, theirs_streamed = against.read(output, (n for n, _ in read.calls))
         if theirs_streamed[:3] != theirs[:3]:
             summary.vllm_split.append(output.id)
-        kind = difference(whole, theirs)
+        kind = difference(read, theirs)
         if kind is not None:
             summary.vllm_differs[kind] += 1
             if len(summary.shown) < show:
-                summary.shown.append((output, whole, theirs, kind))
+                summary.shown.append((output, read, theirs, kind))
     summary.elapsed_s += time.perf_counter() - began
     return summary
 
@@ -273,9 +362,20 @@ def format_summary(summary: Summary, source: str, width: int = 36) -> str:
     for shape in SHAPES_IN_ORDER:
         lines.append(f"| {shape} | {summary.shapes[shape]} |")
     lines.append("")
+    lines.append("| outputs with | outputs |")
+    lines.append("|---|---:|")
+    for feature in FEATURES:
+        lines.append(f"| {feature} | {summary.features[feature]} |")
+    lines.append("")
+    text_only = summary.outputs - summary.read_from_ids
     lines.append(
-        f"Streamed vs whole, ours: {len(summary.ours_split)} disagree "
-        "(chunks of 64 and 5 characters and 31 random cuts, against the whole read)."
+        f"Structure read from token ids in {summary.read_from_ids} outputs"
+        + (f", from text alone in {text_only} (no ids recorded)." if text_only else ".")
+    )
+    lines.append(
+        f"Streamed vs whole, ours: {len(summary.ours_split)} disagree (steps of 8 and "
+        "1 tokens and random steps, or text chunks where no ids, against the whole "
+        "read)."
     )
     if summary.against_vllm:
         kinds = ", ".join(f"{k}: {n}" for k, n in summary.vllm_differs.most_common())

@@ -2,13 +2,18 @@
 edge cases (K3_FORMAT.md). `vllm-k3 replay` replays them; the server tests force them.
 
 Each output is the model's text with every marker kept and without the stop token;
-how it ended (stop token or ``max_tokens`` cut) is chosen by whoever replays it.
+how it ended (stop token or ``max_tokens`` cut) is chosen by whoever replays it. Its
+atom strings are control tokens, except inside ``BPE_TEXT``: text a model quotes,
+written in BPE pieces (``output_ids`` encodes them so).
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import NamedTuple
 
+from vllm_k3_plugin import vocab
 from vllm_k3_plugin.vocab import (
     CLOSE,
     MESSAGE_END,
@@ -83,6 +88,9 @@ FILE_ARGUMENTS = {
 # A ``json`` block (the renderer's form for arguments it could not type): read back
 # verbatim as the arguments text.
 RAW_ARGUMENTS = '{"city":"Lyon","days":3}'
+QUOTED_JSON = '{"open": "<|open|>response<|sep|>"}'
+# Text of the shapes that a model writes in BPE pieces although it spells markers.
+BPE_TEXT = (FILE_ARGUMENTS["content"], QUOTED_JSON)
 MULTI_CALLS = render_tools(
     [
         ("get_weather", {"city": "Paris"}),
@@ -91,6 +99,8 @@ MULTI_CALLS = render_tools(
     ]
 )
 _FINAL = RESPONSE_START + "Final." + RESPONSE_END + MESSAGE_END
+_CALL_OPEN = '<|open|>call tool="get_weather" index="1"<|sep|>'
+_CITY_OPEN = '<|open|>argument key="city" type="string"<|sep|>'
 
 SHAPES: dict[str, Shape] = {
     "think-then-reply": Shape(
@@ -164,6 +174,59 @@ SHAPES: dict[str, Shape] = {
         True,
         "a tools channel opened inside think, no think exit",
     ),
+    "quoted-tools-opener": Shape(
+        "The section starts with "
+        + TOOLS_START
+        + " and lists the calls."
+        + RESPONSE_END
+        + MESSAGE_END,
+        False,
+        "a tools opener quoted in the reply (words follow it, not a call)",
+    ),
+    "bpe-markers": Shape(
+        "Use " + QUOTED_JSON + " here." + RESPONSE_END + MESSAGE_END,
+        False,
+        "marker characters the model wrote in BPE pieces: text",
+    ),
+    "prose-between-calls": Shape(
+        RESPONSE_END
+        + TOOLS_START
+        + WEATHER_CALL
+        + "Then again:"
+        + WEATHER_CALL
+        + "\nDone."
+        + TOOLS_END
+        + MESSAGE_END,
+        False,
+        "text in the tools channel between and after calls",
+    ),
+    "think-between-calls": Shape(
+        "Need data."
+        + TOOLS_START
+        + WEATHER_CALL
+        + THINK_START
+        + " Between."
+        + THINK_END
+        + TOOLS_END
+        + " Resumed."
+        + THINK_END
+        + _FINAL,
+        True,
+        "a think block between calls, and the interrupted think channel resumed",
+    ),
+    "markup-in-value": Shape(
+        RESPONSE_END
+        + TOOLS_START
+        + _CALL_OPEN
+        + _CITY_OPEN
+        + "Par"
+        + TOOLS_START
+        + WEATHER_CALL
+        + TOOLS_END
+        + MESSAGE_END,
+        False,
+        "control markup inside a value: it ends the value and the call",
+    ),
     "thinking-off": Shape(
         "Hi there." + RESPONSE_END + MESSAGE_END, False, "thinking off, a plain reply"
     ),
@@ -183,3 +246,26 @@ SHAPES: dict[str, Shape] = {
         "thinking off, a think closer first",
     ),
 }
+
+
+@functools.cache
+def _encoding():
+    from vllm_k3_plugin.tokenizer import load_tiktoken_encoding
+
+    return load_tiktoken_encoding()
+
+
+_BPE_SPLIT = re.compile("(" + "|".join(map(re.escape, BPE_TEXT)) + ")").split
+
+
+def output_ids(output: str, *, stop: bool) -> list[int]:
+    """The token ids the model wrote ``output`` as: atom strings are control ids,
+    except inside ``BPE_TEXT``; the stop token last when ``stop``."""
+    encoding = _encoding()
+    ids: list[int] = []
+    for index, part in enumerate(_BPE_SPLIT(output)):
+        if index & 1:
+            ids += encoding.encode(part, disallowed_special=())
+        else:
+            ids += encoding.encode(part, allowed_special="all")
+    return [*ids, vocab.END_OF_MSG_ID] if stop else ids

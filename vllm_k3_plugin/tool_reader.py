@@ -1,16 +1,27 @@
-"""ToolCallReader: the calls of a K3 tools channel, streamed as they arrive (rule 8).
+"""ToolCallReader: the calls of a K3 tools channel, streamed (rules 6, 8 and 9).
 
-Sans-I/O: feed the tools channel's raw text (what ``ReasoningReader`` hands over as
-``ToolMarkup``) in any chunking, get ``CallOpened`` / ``ArgumentsDelta`` /
-``CallClosed`` / ``Dropped`` events. The non-streaming read is this reader fed the
-whole channel, so a call's joined ``ArgumentsDelta`` texts are byte-identical to its
+Sans-I/O: feed the tools channel (what ``ReasoningReader`` hands over as marked
+``ToolMarkup``, or literal text read as ``marked.TextAtoms`` reads it) in any
+chunking, get ``CallOpened`` / ``ArgumentsDelta`` / ``CallClosed`` / ``CallCut`` /
+``Prose`` / ``Dropped`` events. The non-streaming read is this reader fed the whole
+channel, so a call's joined ``ArgumentsDelta`` texts are byte-identical to its
 non-streaming ``arguments`` by construction.
+
+Elements are read generically: a control ``<|open|>`` or ``<|close|>``, a tag, and
+``<|sep|>``. A tag is held until its separator; it is *not* a tag (its atom is
+dropped, its text is text where it stands) when its text stops reading as a tag
+(``NAME key="value" ...`` for an opener, ``NAME`` for a closer), when it passes
+``MAX_TAG_CHARS``, or when another atom interrupts an opener. A closer interrupted
+by the next atom is complete without its separator (seen in the wild).
 
 Reading rules:
 
-- A call opens at ``<|open|>call tool="NAME" ...<|sep|>``: ``CallOpened`` goes out at
-  once. A call without a name is dropped (one ``Dropped`` event), its body skipped.
-  The ``index`` attribute is not trusted: calls are numbered by arrival, from 0.
+- A call opens at ``<|open|>call tool="NAME" ...<|sep|>``; its name goes out
+  (``CallOpened``) when the element after the opener has completed its own opener
+  (an ``argument`` or a ``json`` block) or the call's closer arrives. Text first
+  means the opener was quoted: it is dropped and the text is prose. A call without a
+  name is dropped (one ``Dropped`` event), its body skipped. The ``index``
+  attribute is not trusted: calls are numbered by arrival, from 0.
 - Arguments are one JSON object written as the elements arrive, in the layout of
   ``json.dumps(obj, ensure_ascii=False)``. A ``string`` value (also an argument with no
   ``type``) is raw text and streams JSON-escaped while it arrives; any other type is
@@ -18,27 +29,31 @@ Reading rules:
   text when it is not valid JSON. A repeated key is written again (a JSON reader
   keeps the last). A ``json`` block is the arguments text itself, streamed verbatim.
   An argument with no ``key``, or an element mixing the two forms, is dropped.
-- A value ends only at its own closer; the call closer, ``<|close|>tools<|sep|>`` and
-  ``<|close|>message<|sep|>`` also end it (the model forgot the closer). Every other
-  marker inside a value is text of the value.
-- A call closes at ``<|close|>call<|sep|>``, at ``<|close|>call`` without the
-  separator, at the next call's opener, or at the end of the channel or message.
-- A call still open when the output ends is cut off: no ``CallClosed``; ``finish``
-  reports it ``Dropped``. Streamed, its name and arguments so far were already sent.
-- Text between elements, unknown elements and stray closers are framing: dropped.
+- A value ends at its own closer, and at any other control closer or opener: a
+  closer of an element outside the call (and any opener but an argument's or a json
+  block's) ends the call too, its missing closer recovered. A stray separator is
+  dropped. BPE-spelled marker characters are the value's text.
+- A call closes at ``<|close|>call<|sep|>``, at the next call's opener, or at the end
+  of the channel or message.
+- A call still open when the output ends is cut off (``CallCut``): its arguments are
+  what streamed, never closed into JSON (a typed value still held is added raw).
+- Text outside calls (between calls, after the last) is ``Prose``, with its own
+  whitespace; a run of whitespace alone between elements is framing.
 
-Memory: only a typed value is held (until its closer), and an opener's attribute
-text (at most ``MAX_TAG_CHARS``).
+Memory: a typed value (until its closer), a tag (at most ``MAX_TAG_CHARS``) and a
+run of whitespace between elements.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
+from collections.abc import Sequence
 from typing import NamedTuple
 
+from vllm_k3_plugin import marked as m
 from vllm_k3_plugin import vocab
-from vllm_k3_plugin.scanner import MarkerScanner
 from vllm_k3_plugin.xtml import parse_tag
 
 MAX_TAG_CHARS = 16_384
@@ -59,25 +74,48 @@ class CallClosed(NamedTuple):
     index: int
 
 
+class CallCut(NamedTuple):
+    """The output ended inside this call: its arguments are what streamed."""
+
+    index: int
+
+
+class Prose(NamedTuple):
+    """Text of the tools channel outside any call: content."""
+
+    text: str
+
+
 class Dropped(NamedTuple):
-    """Markup read as no call, or a call cut off; for the adapter to log."""
+    """Markup read as no call; for the adapter to log."""
 
     index: int | None
     """The call it belonged to; ``None`` when no call was opened."""
     reason: str
 
 
-ToolEvent = CallOpened | ArgumentsDelta | CallClosed | Dropped
+ToolEvent = CallOpened | ArgumentsDelta | CallClosed | CallCut | Prose | Dropped
 
 
 class ToolCall(NamedTuple):
     index: int
     name: str
     arguments: str
+    complete: bool = True
+    """False for a call the end of the output cut off."""
+
+
+class ToolsRead(NamedTuple):
+    """A whole tools channel read."""
+
+    calls: list[ToolCall]
+    dropped: list[Dropped]
+    prose: str
 
 
 class _State(enum.Enum):
     OUTSIDE = "outside"
+    NAMED = "named"  # a call opener read, its name not yet sent
     CALL = "call"
     SKIP_CALL = "skip-call"
     VALUE = "value"
@@ -97,12 +135,19 @@ class _Args(enum.Enum):
     JSON_BLOCK = "json"
 
 
-# Closers of enclosing elements: they end an open value and call.
-_BOUNDARIES = frozenset({vocab.TOOLS_END, vocab.MESSAGE_END, vocab.END_OF_MSG})
-# The stop token never reaches the text as a token (vLLM drops it), so inside a value
-# its spelling is the value's own text.
-_VALUE_BREAKS = frozenset({vocab.TOOLS_END, vocab.MESSAGE_END, vocab.CALL_END})
-_ELEMENT_ENDS = {vocab.ARGUMENT: vocab.ARGUMENT_END, vocab.JSON_BLOCK: vocab.JSON_END}
+_ELEMENT_ENDS = {vocab.ARGUMENT: vocab.ARGUMENT, vocab.JSON_BLOCK: vocab.JSON_BLOCK}
+# Elements a call sits inside of, or beside: their openers and closers end a call.
+_OUTSIDE_CALLS = frozenset({vocab.CALL, "tools", "think", "response", "message"})
+_SPLIT = re.compile("([" + "".join(sorted(m.MARKS)) + "])").split
+_NAME = r"[A-Za-z_][\w.:-]*"
+_KEY = r"[A-Za-z_][\w.-]*"
+# What a tag's text may be while it is read: a name right after the atom, then
+# ``key="value"`` attributes (an opener) or nothing (a closer), then whitespace.
+_OPENER_PREFIX = re.compile(
+    rf'(?:{_NAME}(?:\s+{_KEY}\s*=\s*"[^"]*")*'
+    rf'(?:\s+{_KEY}(?:\s*=\s*(?:"[^"]*)?)?)?\s*)?'
+).fullmatch
+_CLOSER_PREFIX = re.compile(rf"(?:{_NAME}\s*)?").fullmatch
 
 
 def _json_text(value: object) -> str:
@@ -130,76 +175,89 @@ def typed_value_json(raw: str) -> str:
 
 
 class ToolCallReader:
-    """One request's tool-call reader."""
+    """One request's tool-call reader. ``atoms``: how structure is told from text in
+    what it is fed (``marked.TextAtoms`` if not given; ``marked.ALREADY_MARKED`` for
+    the reasoning reader's ``ToolMarkup``)."""
 
     __slots__ = (
         "_args",
         "_args_started",
+        "_atoms",
         "_call",
-        "_close_pending",
         "_count",
         "_events",
+        "_name",
+        "_prose_words",
         "_run",
-        "_scanner",
         "_skip_return",
+        "_space",
         "_state",
         "_tag",
         "_tag_chars",
+        "_tag_kind",
         "_typed",
         "_value",
         "_value_end",
     )
 
-    def __init__(self) -> None:
-        self._scanner = MarkerScanner(vocab.TOOL_MARKERS)
+    def __init__(
+        self, atoms: m.TextAtoms | m.IdAtoms | m.AlreadyMarked | None = None
+    ) -> None:
+        self._atoms = atoms if atoms is not None else m.TextAtoms()
         self._state = _State.OUTSIDE
         self._count = 0
         self._call: int | None = None
-        # ``<|close|>call`` without its separator: a call closer unless a name goes
-        # on (``<|close|>call_meta<|sep|>`` closes an unknown element).
-        self._close_pending = False
+        self._name = ""
         self._args = _Args.NONE
         self._args_started = False
         self._value = _Value.STRING
-        self._value_end = vocab.ARGUMENT_END
+        self._value_end = vocab.ARGUMENT
         self._skip_return = _State.CALL
         self._typed: list[str] = []
-        self._tag: list[str] | None = None
+        # A tag being read: its atom (``marked.OPEN`` or ``CLOSE``) and text.
+        self._tag_kind: str | None = None
+        self._tag: list[str] = []
         self._tag_chars = 0
+        # Between elements: whitespace held until words show it is prose, and
+        # whether the current run between two elements has words.
+        self._space: list[str] = []
+        self._prose_words = False
         self._events: list[ToolEvent] = []
         self._run: list[str] = []
 
-    def feed(self, text: str) -> list[ToolEvent]:
+    @property
+    def calls_started(self) -> int:
+        return self._count
+
+    def feed(self, text: str, ids: Sequence[int] | None = None) -> list[ToolEvent]:
+        """Read the next chunk (with its token ids, for ``marked.IdAtoms``)."""
         if self._state is _State.DONE:
             raise RuntimeError("feed() after finish()")
         self._events = events = []
-        parts = self._scanner.feed_parts(text)
-        if len(parts) == 1:
-            self._on_text(parts[0])
-        else:
-            for index, piece in enumerate(parts):
-                if index & 1:
-                    self._on_marker(piece)
-                elif piece:
-                    self._on_text(piece)
+        self._read(self._atoms.mark(text, ids))
         self._flush()
         self._events = []  # the caller's now: hold no reference to its text
         return events
 
     def finish(self) -> list[ToolEvent]:
-        """End of the output: a call still open is cut off."""
+        """End of the output: a tag still open is a cut marker (dropped); a call
+        still open is cut off."""
         if self._state is _State.DONE:
             return []
         self._events = events = []
-        self._scanner.finish()
-        if self._close_pending:
-            self._close_pending = False
-            self._end_call()
+        self._read(self._atoms.finish())
+        if self._tag_kind is not None:
+            self._tag_kind, self._tag = None, []
+        if self._state is _State.VALUE and self._value is _Value.TYPED:
+            raw, self._typed = "".join(self._typed), []
+            self._emit(raw)
         self._flush()
         if self._call is not None:
-            events.append(Dropped(self._call, "cut off before its closer"))
+            events.append(CallCut(self._call))
+        elif self._state is _State.NAMED:
+            events.append(Dropped(None, "a call cut off before its first argument"))
         self._call = None
-        self._events = []
+        self._space = []
         self._state = _State.DONE
         return events
 
@@ -217,79 +275,150 @@ class ToolCallReader:
         self._flush()
         self._events.append(event)
 
-    def _drop(self, reason: str) -> None:
-        self._event(Dropped(self._call, reason))
+    def _drop(self, reason: str, index: int | None = None) -> None:
+        self._event(Dropped(index, reason))
 
     # -- dispatch -----------------------------------------------------------------
 
-    def _on_text(self, text: str) -> None:
+    def _read(self, text: str) -> None:
         if not text:
             return
-        if self._close_pending:
-            self._close_pending = False
-            if text[0].isalnum() or text[0] in "_-.":
-                return  # the closer of an unknown element: framing
-            self._end_call()
-        if self._tag is not None:
-            if self._tag_chars <= MAX_TAG_CHARS:
-                self._tag.append(text)
-            self._tag_chars += len(text)
-        elif self._state is _State.VALUE:
-            self._value_text(text)
-        # Text anywhere else is framing between elements, or a skipped value.
+        parts = _SPLIT(text)
+        if len(parts) == 1:
+            self._text(text)
+            return
+        for index, piece in enumerate(parts):
+            if index & 1:
+                self._atom(piece)
+            elif piece:
+                self._text(piece)
 
-    def _on_marker(self, marker: str) -> None:
-        if self._close_pending:
-            self._close_pending = False
-            self._end_call()
-        if self._tag is not None:
-            tag, self._tag = self._tag, None
-            if marker == vocab.SEP:
-                self._on_opener("".join(tag))
+    def _atom(self, mark: str) -> None:
+        if self._tag_kind is not None:
+            if mark == m.SEP:
+                self._tag_done()
                 return
-            self._drop("an opener without its separator")
-        state = self._state
-        if state is _State.VALUE or state is _State.SKIP_VALUE:
-            if marker == self._value_end:
-                self._end_value()
-                return
-            if marker not in _VALUE_BREAKS:
-                if state is _State.VALUE:
-                    self._value_text(marker)
-                return
-            self._end_value()
-            state = self._state
-        if marker == vocab.OPEN:
+            self._tag_interrupted()
+        if mark == m.OPEN or mark == m.CLOSE:
+            self._tag_kind = mark
             self._tag = []
             self._tag_chars = 0
-        elif marker == vocab.CALL_END_UNSEPARATED:
-            self._close_pending = True
-        elif marker == vocab.CALL_END or marker in _BOUNDARIES:
+        elif mark == m.END_OF_MSG:
+            self._element_boundary()
+            self._end_value_if_open()
             self._end_call()
-        # Other closers, separators and the channel opener are framing here.
+        # A separator with no tag before it is framing: dropped.
+
+    def _text(self, text: str) -> None:
+        if self._tag_kind is not None:
+            self._tag.append(text)
+            self._tag_chars += len(text)
+            if self._tag_chars > MAX_TAG_CHARS or not self._tag_so_far_valid():
+                self._not_a_tag()
+            return
+        state = self._state
+        if state is _State.VALUE:
+            self._value_text(text)
+        elif state is _State.OUTSIDE or state is _State.CALL:
+            self._prose(text)
+        elif state is _State.NAMED:
+            if text.isspace():
+                self._space.append(text)
+                return
+            # Words before any element: the call opener was quoted.
+            self._drop("a call opener not followed by an argument")
+            self._state = _State.OUTSIDE
+            self._prose(text)
+        # In a skipped call or value, text is dropped with it.
+
+    def _prose(self, text: str) -> None:
+        if not self._prose_words:
+            if text.isspace():
+                self._space.append(text)
+                return
+            self._prose_words = True
+            if self._space:
+                text = "".join(self._space) + text
+                self._space = []
+        self._event(Prose(text))
+
+    def _element_boundary(self) -> None:
+        """An element starts or ends: whitespace alone since the last is framing."""
+        self._space = []
+        self._prose_words = False
+
+    # -- tags ---------------------------------------------------------------------
+
+    def _tag_so_far_valid(self) -> bool:
+        text = "".join(self._tag)
+        if self._tag_kind == m.OPEN:
+            return _OPENER_PREFIX(text) is not None
+        return _CLOSER_PREFIX(text) is not None
+
+    def _tag_interrupted(self) -> None:
+        """Another atom before the separator: a closer is complete without it, an
+        opener never completed."""
+        if self._tag_kind == m.CLOSE and "".join(self._tag).strip():
+            self._tag_done()
+        else:
+            self._not_a_tag()
+
+    def _not_a_tag(self) -> None:
+        kind, text = self._tag_kind, "".join(self._tag)
+        self._tag_kind, self._tag = None, []
+        if kind == m.OPEN:
+            self._drop("an opener that never completed", self._call)
+        if text:
+            self._text(text)
+
+    def _tag_done(self) -> None:
+        kind, text = self._tag_kind, "".join(self._tag)
+        self._tag_kind, self._tag = None, []
+        if kind == m.OPEN:
+            self._on_opener(text)
+        else:
+            self._on_closer(text.strip())
 
     def _on_opener(self, tag: str) -> None:
-        if self._tag_chars > MAX_TAG_CHARS:
-            self._drop(f"an opener longer than {MAX_TAG_CHARS} characters")
-            if tag.split(None, 1)[:1] == [vocab.CALL]:
-                # A new call all the same: the open one ends; this one is skipped.
-                self._end_call()
-                self._state = _State.SKIP_CALL
-            return
+        self._element_boundary()
         name, attributes = parse_tag(tag)
+        self._end_value_if_open()
         state = self._state
         if name == vocab.CALL:
             self._end_call()
             self._open_call(attributes.get("tool", ""))
-        elif name in _ELEMENT_ENDS and state is _State.CALL:
-            if name == vocab.ARGUMENT:
-                self._open_argument(attributes)
+        elif name in _ELEMENT_ENDS:
+            if state is _State.NAMED:
+                self._confirm_call()
+                state = _State.CALL
+            if state is _State.CALL:
+                if name == vocab.ARGUMENT:
+                    self._open_argument(attributes)
+                else:
+                    self._open_json_block()
+            elif state is _State.SKIP_CALL:
+                self._skip_value(_ELEMENT_ENDS[name])
             else:
-                self._open_json_block()
-        elif name in _ELEMENT_ENDS and state is _State.SKIP_CALL:
-            self._skip_value(_ELEMENT_ENDS[name])
+                self._drop(f"an {name} element outside a call")
+        elif name in _OUTSIDE_CALLS:
+            self._end_call()
         else:
-            self._drop(f"an unknown element {name[:64]!r}")
+            self._drop(f"an unknown element {name[:64]!r}", self._call)
+
+    def _on_closer(self, name: str) -> None:
+        self._element_boundary()
+        state = self._state
+        if state is _State.VALUE or state is _State.SKIP_VALUE:
+            own = name == self._value_end
+            self._end_value()
+            if own:
+                return
+            state = self._state
+        if name not in _OUTSIDE_CALLS:
+            return  # a stray argument or json closer, an unknown one: framing
+        if name == vocab.CALL and state is _State.NAMED:
+            self._confirm_call()
+        self._end_call()
 
     # -- calls --------------------------------------------------------------------
 
@@ -298,14 +427,21 @@ class ToolCallReader:
             self._drop("a call without a name")
             self._state = _State.SKIP_CALL
             return
+        self._name = name
+        self._state = _State.NAMED
+
+    def _confirm_call(self) -> None:
         self._call = index = self._count
         self._count += 1
         self._args = _Args.NONE
         self._args_started = False
         self._state = _State.CALL
-        self._event(CallOpened(index, name))
+        self._event(CallOpened(index, self._name))
 
     def _end_call(self) -> None:
+        state = self._state
+        if state is _State.NAMED:
+            self._drop("a call opener not followed by an argument")
         if self._call is None:
             self._state = _State.OUTSIDE
             return
@@ -322,12 +458,12 @@ class ToolCallReader:
     def _open_argument(self, attributes: dict[str, str]) -> None:
         key = attributes.get("key")
         if key is None:
-            self._drop("an argument without a key")
-            self._skip_value(vocab.ARGUMENT_END)
+            self._drop("an argument without a key", self._call)
+            self._skip_value(vocab.ARGUMENT)
             return
         if self._args is _Args.JSON_BLOCK:
-            self._drop("an argument after a json block")
-            self._skip_value(vocab.ARGUMENT_END)
+            self._drop("an argument after a json block", self._call)
+            self._skip_value(vocab.ARGUMENT)
             return
         prefix = ", " if self._args_started else "{"
         self._args = _Args.ELEMENTS
@@ -340,17 +476,17 @@ class ToolCallReader:
             self._value = _Value.TYPED
             self._typed = []
         self._emit(prefix)
-        self._value_end = vocab.ARGUMENT_END
+        self._value_end = vocab.ARGUMENT
         self._state = _State.VALUE
 
     def _open_json_block(self) -> None:
         if self._args is not _Args.NONE:
-            self._drop("a json block after other arguments")
-            self._skip_value(vocab.JSON_END)
+            self._drop("a json block after other arguments", self._call)
+            self._skip_value(vocab.JSON_BLOCK)
             return
         self._args = _Args.JSON_BLOCK
         self._value = _Value.RAW
-        self._value_end = vocab.JSON_END
+        self._value_end = vocab.JSON_BLOCK
         self._state = _State.VALUE
 
     def _skip_value(self, end: str) -> None:
@@ -368,6 +504,10 @@ class ToolCallReader:
             self._args_started = True
             self._emit(text)
 
+    def _end_value_if_open(self) -> None:
+        if self._state is _State.VALUE or self._state is _State.SKIP_VALUE:
+            self._end_value()
+
     def _end_value(self) -> None:
         if self._state is _State.SKIP_VALUE:
             self._state = self._skip_return
@@ -382,7 +522,7 @@ class ToolCallReader:
 
 
 def collect_calls(events: list[ToolEvent]) -> list[ToolCall]:
-    """The closed calls, in order, with their arguments joined."""
+    """The calls, in order, with their arguments joined; a cut call last, as cut."""
     names: dict[int, str] = {}
     pieces: dict[int, list[str]] = {}
     calls: list[ToolCall] = []
@@ -393,16 +533,26 @@ def collect_calls(events: list[ToolEvent]) -> list[ToolCall]:
         elif kind is CallOpened:
             names[event.index] = event.name
             pieces[event.index] = []
-        elif kind is CallClosed:
+        elif kind is CallClosed or kind is CallCut:
             index = event.index
-            calls.append(ToolCall(index, names[index], "".join(pieces.pop(index))))
+            arguments = "".join(pieces.pop(index))
+            calls.append(ToolCall(index, names[index], arguments, kind is CallClosed))
     return calls
 
 
-def read_calls(markup: str) -> tuple[list[ToolCall], list[Dropped]]:
+def read_tools(markup: str, atoms: m.TextAtoms | None = None) -> ToolsRead:
     """The non-streaming read of a tools channel: the reader fed it whole."""
-    reader = ToolCallReader()
+    reader = ToolCallReader(atoms)
     events = reader.feed(markup)
     events += reader.finish()
-    dropped = [event for event in events if type(event) is Dropped]
-    return collect_calls(events), dropped
+    return ToolsRead(
+        collect_calls(events),
+        [event for event in events if type(event) is Dropped],
+        "".join(event.text for event in events if type(event) is Prose),
+    )
+
+
+def read_calls(markup: str) -> tuple[list[ToolCall], list[Dropped]]:
+    """The calls and what was dropped of a literal tools channel (``read_tools``)."""
+    read = read_tools(markup)
+    return read.calls, read.dropped

@@ -2,18 +2,19 @@
 
 Every endpoint (chat completions, responses, and ``/v1/messages``, which runs through
 chat completions) drives one ``Parser`` per request: ``parse`` for a whole output,
-``parse_delta`` once per engine step when streaming. Both feed one
-``ReasoningReader``; ``parse`` feeds it the whole output at once, so the two agree by
-construction.
+``parse_delta`` once per engine step when streaming. Both feed one ``OutputReader``
+the output's text and token ids (structure is read from the ids); ``parse`` feeds it
+the whole output at once, so the two agree by construction.
 
 Why not vLLM's own ``KimiK3Parser`` around our reasoning parser: its
 ``DelegatingParser.parse_delta`` rebuilds the whole text and id list every step and the
 reasoning parser API never learns how the output ended (rule 5 needs it). Here each
 step costs O(delta), and ``finished`` plus the last token id decide ``stopped``.
 
-The tools channel goes, as raw markup, to one ``ToolCallStream`` per request when the
-tool parser is ours (``--tool-call-parser kimi_k3``), and to any other configured tool
-parser through its own API otherwise.
+The reader reads the tool calls when the tool parser is ours (``--tool-call-parser
+kimi_k3``); with any other configured tool parser, the tools channel goes to it, as
+text, through its own API. A call the end of the output cut off is in the reply on
+both paths, as it streamed.
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from typing import Any
 from vllm.entrypoints.generate.base.protocol import DeltaMessage, FunctionCall
 from vllm.parser.abstract_parser import DelegatingParser
 
+from vllm_k3_plugin import marked
 from vllm_k3_plugin.channel_ids import ReasoningCount
+from vllm_k3_plugin.output_reader import OutputReader, collect_output, split_events
 from vllm_k3_plugin.reasoning_reader import (
     Channel,
-    Reading,
+    Content,
+    Reasoning,
     ReasoningReader,
     collect,
-    read_whole,
 )
+from vllm_k3_plugin.tool_reader import CallCut
 from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
 from vllm_k3_plugin.vllm_adapter.request_state import (
     model_stopped,
@@ -39,12 +43,13 @@ from vllm_k3_plugin.vllm_adapter.request_state import (
     stop_ids_for,
     thinking_requested,
 )
+from vllm_k3_plugin.vllm_adapter.serving_hooks import record_output
 from vllm_k3_plugin.vllm_adapter.settings import replay_policy
 from vllm_k3_plugin.vllm_adapter.tool_parser import (
     K3ToolParser,
-    ToolCallStream,
+    ToolCallDeltas,
+    function_calls,
     history_call_count,
-    read_function_calls,
 )
 
 
@@ -90,26 +95,26 @@ class _Stream:
     """Per-request streaming state; nothing here grows with the reasoning."""
 
     __slots__ = (
-        "calls_made",
+        "calls",
         "content_gate",
         "last_id",
+        "other_tools",
         "output_len",
         "prompt_len",
         "reader",
-        "tool_calls",
         "tool_text",
     )
 
-    def __init__(self, reader: ReasoningReader, prompt_len: int) -> None:
+    def __init__(self, reader: OutputReader | ReasoningReader, prompt_len: int) -> None:
         self.reader = reader
         self.prompt_len = prompt_len
         self.output_len = 0
         self.last_id: int | None = None
         self.content_gate = _ContentGate()
-        self.tool_calls: ToolCallStream | None = None
+        self.calls: ToolCallDeltas | None = None
         # Another tool parser's streaming API wants the tools channel so far, whole.
         self.tool_text = ""
-        self.calls_made = False
+        self.other_tools = False
 
 
 class K3Parser(DelegatingParser):
@@ -133,12 +138,19 @@ class K3Parser(DelegatingParser):
         self._stream: _Stream | None = None
         self._counted = ReasoningCount()
         self._history_calls: int | None = None
+        self.calls_cut = False
+        """Whether the last output read ended inside a tool call."""
 
     # -- shared -----------------------------------------------------------------------
 
     @property
     def k3_reasoning(self) -> K3ReasoningParser:
         return self._reasoning_parser  # type: ignore[return-value]
+
+    @property
+    def _reads_tools(self) -> bool:
+        """Whether the reader reads the calls (our tool parser), not another one."""
+        return isinstance(self._tool_parser, K3ToolParser)
 
     def set_prompt_token_ids(self, prompt_token_ids: Sequence[int]) -> None:
         self._prompt_ids = prompt_token_ids
@@ -160,6 +172,20 @@ class K3Parser(DelegatingParser):
 
     def _start(self, prompt_ids: Sequence[int] | None) -> Channel:
         return start_channel(prompt_ids, self.k3_reasoning.decode, self._thinking)
+
+    def _atoms(self, ids: Sequence[int]) -> marked.TextAtoms | marked.IdAtoms:
+        """Structure from the output's ids; from text alone where a caller has none."""
+        return marked.atoms_for(bool(ids), self.k3_reasoning.atom_tokens)
+
+    def _reader(
+        self, prompt_ids: Sequence[int] | None, ids: Sequence[int]
+    ) -> OutputReader | ReasoningReader:
+        start, atoms = self._start(prompt_ids), self._atoms(ids)
+        if self._tool_parser is None or self._reads_tools:
+            return OutputReader(
+                start, self._policy, atoms, read_tools=self._tool_parser is not None
+            )
+        return ReasoningReader(start=start, policy=self._policy, atoms=atoms)
 
     def _stopped(
         self, request: Any, *, last_id: int | None, output_len: int, prompt_len: int
@@ -191,50 +217,53 @@ class K3Parser(DelegatingParser):
         # ``enable_auto_tools`` is not consulted: a tool parser exists only when the
         # server enabled auto tool choice, and streaming never gets the flag.
         ids = model_output_token_ids
-        reading = read_whole(
-            model_output,
-            start=self._start(self._prompt_ids),
-            stopped=self._stopped(
-                request,
-                last_id=ids[-1] if len(ids) else None,
-                output_len=len(ids),
-                prompt_len=len(self._prompt_ids or ()),
-            ),
-            policy=self._policy,
-            tools_as_content=self._tool_parser is None,
+        reader = self._reader(self._prompt_ids, ids)
+        stopped = self._stopped(
+            request,
+            last_id=ids[-1] if len(ids) else None,
+            output_len=len(ids),
+            prompt_len=len(self._prompt_ids or ()),
         )
-        tool_calls, content = self._read_tools(reading, request)
+        events = reader.feed(model_output, ids) + reader.finish(stopped=stopped)
+        self.calls_cut = False
+        if isinstance(reader, OutputReader):
+            reading = collect_output(events)
+            reasoning, content = reading.reasoning, reading.content
+            tool_calls = self._whole_calls(reading, request)
+        else:
+            reading = collect(events)
+            reasoning, content = reading.reasoning, reading.content
+            tool_calls = self._other_tool_calls(reading.tool_markup, request)
+        record_output(calls_cut=self.calls_cut, stopped=stopped)
         gate = _ContentGate()
         content = gate.pass_through(content) + gate.close(
             tool_calls_made=bool(tool_calls)
         )
-        reasoning = reading.reasoning if _reasoning_wanted(request) else ""
+        if not _reasoning_wanted(request):
+            reasoning = ""
         return reasoning or None, content or None, tool_calls
 
-    def _read_tools(
-        self, reading: Reading, request: Any
-    ) -> tuple[list[FunctionCall] | None, str]:
-        markup = reading.tool_markup
-        if self._tool_parser is None:
-            # No tool parser configured: the tools channel was read as content.
-            return None, reading.content
+    def _whole_calls(self, reading: Any, request: Any) -> list[FunctionCall] | None:
+        if not reading.calls or not _tools_wanted(request):
+            return None
+        self.calls_cut = not all(call.complete for call in reading.calls)
+        return function_calls(
+            reading.calls, reading.dropped, request, self._first_call_number(request)
+        )
+
+    def _other_tool_calls(self, markup: str, request: Any) -> list[FunctionCall] | None:
+        """The tools channel read by another configured tool parser."""
         if not markup or not _tools_wanted(request):
-            return ([] if markup else None), reading.content
-        if isinstance(self._tool_parser, K3ToolParser):
-            calls = read_function_calls(
-                markup, request, self._first_call_number(request)
-            )
-            return calls or None, reading.content
-        info = self.extract_tool_calls(markup, request)
+            return None
+        info = self.extract_tool_calls(marked.unmarked(markup), request)
         if not info.tools_called:
-            return None, reading.content
-        calls = [
+            return None
+        return [
             FunctionCall(
                 id=call.id, name=call.function.name, arguments=call.function.arguments
             )
             for call in info.tool_calls
         ]
-        return calls, reading.content
 
     # -- streaming --------------------------------------------------------------------
 
@@ -252,35 +281,40 @@ class K3Parser(DelegatingParser):
             prompt_ids = prompt_token_ids or self._prompt_ids
             if prompt_token_ids is not None:
                 self._prompt_ids = prompt_token_ids
-            reader = ReasoningReader(start=self._start(prompt_ids), policy=self._policy)
+            reader = self._reader(prompt_ids, delta_token_ids)
             stream = self._stream = _Stream(reader, len(prompt_ids or ()))
 
-        events = stream.reader.feed(delta_text) if delta_text else []
+        events = (
+            stream.reader.feed(delta_text, delta_token_ids)
+            if delta_text or delta_token_ids
+            else []
+        )
         if delta_token_ids:
             stream.output_len += len(delta_token_ids)
             stream.last_id = delta_token_ids[-1]
         if finished:
-            events += stream.reader.finish(
-                stopped=self._stopped(
-                    request,
-                    last_id=stream.last_id,
-                    output_len=stream.output_len,
-                    prompt_len=stream.prompt_len,
-                )
+            stopped = self._stopped(
+                request,
+                last_id=stream.last_id,
+                output_len=stream.output_len,
+                prompt_len=stream.prompt_len,
             )
-        reading = collect(events, tools_as_content=self._tool_parser is None)
-
-        content = reading.content
-        tool_calls: list[Any] = []
-        if _tools_wanted(request) and (reading.tool_markup or stream.tool_calls):
-            tool_calls = self._stream_tools(
-                stream, reading.tool_markup, request, finished=finished
-            )
+            events += stream.reader.finish(stopped=stopped)
+        if isinstance(stream.reader, OutputReader):
+            reasoning, content, tool_calls = self._read_events(stream, events, request)
+        else:
+            reading = collect(events)
+            reasoning, content = reading.reasoning, reading.content
+            tool_calls = self._other_tool_deltas(stream, reading.tool_markup, request)
+        calls_made = stream.calls is not None and stream.calls.calls_made
         content = stream.content_gate.pass_through(content)
         if finished:
-            content += stream.content_gate.close(tool_calls_made=stream.calls_made)
-
-        reasoning = reading.reasoning if _reasoning_wanted(request) else ""
+            record_output(calls_cut=self.calls_cut, stopped=stopped)
+            content += stream.content_gate.close(
+                tool_calls_made=calls_made or stream.other_tools
+            )
+        if not _reasoning_wanted(request):
+            reasoning = ""
         if not (reasoning or content or tool_calls):
             return None
         # ``model_construct``: the fields are built here and valid; pydantic validation
@@ -289,27 +323,38 @@ class K3Parser(DelegatingParser):
             reasoning=reasoning or None, content=content or None, tool_calls=tool_calls
         )
 
-    def _stream_tools(
-        self, stream: _Stream, markup: str, request: Any, *, finished: bool
+    def _read_events(
+        self, stream: _Stream, events: list[Any], request: Any
+    ) -> tuple[str, str, list[Any]]:
+        if len(events) == 1:
+            # The usual streaming step: one piece of one kind.
+            (event,) = events
+            kind = type(event)
+            if kind is Reasoning:
+                return event.text, "", []
+            if kind is Content:
+                return "", event.text, []
+        reasoning, content, calls = split_events(events)
+        tool_calls: list[Any] = []
+        if calls and _tools_wanted(request):
+            if stream.calls is None:
+                stream.calls = ToolCallDeltas(request, self._first_call_number(request))
+            tool_calls = stream.calls.deltas(calls)
+            if any(type(event) is CallCut for event in calls):
+                self.calls_cut = True
+        return reasoning, content, tool_calls
+
+    def _other_tool_deltas(
+        self, stream: _Stream, markup: str, request: Any
     ) -> list[Any]:
-        if isinstance(self._tool_parser, K3ToolParser):
-            if stream.tool_calls is None:
-                stream.tool_calls = ToolCallStream(
-                    request, self._first_call_number(request)
-                )
-            deltas = stream.tool_calls.feed(markup) if markup else []
-            if finished:
-                deltas += stream.tool_calls.finish()
-            stream.calls_made = stream.tool_calls.calls_made
-            return deltas
-        if not markup:
+        if not markup or not _tools_wanted(request):
             return []
         previous = stream.tool_text
-        stream.tool_text = current = previous + markup
+        stream.tool_text = current = previous + marked.unmarked(markup)
         delta = self.extract_tool_calls_streaming(
             previous_text=previous,
             current_text=current,
-            delta_text=markup,
+            delta_text=current[len(previous) :],
             previous_token_ids=(),
             current_token_ids=(),
             delta_token_ids=(),
@@ -317,5 +362,5 @@ class K3Parser(DelegatingParser):
         )
         if delta is None or not delta.tool_calls:
             return []
-        stream.calls_made = True
+        stream.other_tools = True
         return list(delta.tool_calls)

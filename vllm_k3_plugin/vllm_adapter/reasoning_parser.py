@@ -18,7 +18,7 @@ from typing import Any
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.reasoning import ReasoningParser
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin import marked, vocab
 from vllm_k3_plugin.channel_ids import (
     count_reasoning_ids,
     reasoning_ends_in_delta,
@@ -33,6 +33,20 @@ from vllm_k3_plugin.reasoning_reader import (
 )
 from vllm_k3_plugin.vllm_adapter.request_state import start_channel, thinking_requested
 from vllm_k3_plugin.vllm_adapter.settings import replay_policy
+
+_ATOM_TOKENS: dict[int, tuple[Any, marked.AtomTokens]] = {}
+
+
+def _atom_tokens(tokenizer: Any) -> marked.AtomTokens:
+    # Keyed by identity; the tokenizer is kept with its table (a server has one).
+    found = _ATOM_TOKENS.get(id(tokenizer))
+    if found is None or found[0] is not tokenizer:
+
+        def decode(ids: Sequence[int]) -> str:
+            return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+        found = _ATOM_TOKENS[id(tokenizer)] = (tokenizer, marked.AtomTokens(decode))
+    return found[1]
 
 
 class K3ReasoningParser(ReasoningParser):
@@ -51,6 +65,12 @@ class K3ReasoningParser(ReasoningParser):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.model_tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def atom_tokens(self) -> marked.AtomTokens:
+        """Which tokens can end an atom spelled in BPE pieces: one table per
+        tokenizer, shared by every request (it is filled as tokens are seen)."""
+        return _atom_tokens(self.model_tokenizer)
 
     def start(self, prompt_ids: Sequence[int] | None = None) -> Channel:
         ids = prompt_ids if prompt_ids is not None else self._prompt_ids

@@ -16,6 +16,10 @@
    never tells the reader how the output ended. When the composed class would carry
    our reasoning parser, we return a ``K3Parser`` subclass with the same reasoning
    and tool parser classes and strict level instead. Anything else passes through.
+   The first such composition also installs ``serving_hooks``: where vLLM's serving
+   layer decides a reply's finish reason, a tool call the end of the output cut off
+   makes it what ended the output, not ``tool_calls`` / ``tool_use``, and
+   ``/v1/messages`` keeps arguments that are not a JSON object as text.
 
 4. ``ModelRegistry.register_model`` for ``KimiK3ForConditionalGeneration`` (the
    published checkpoint's architecture) and ``KimiK3ForCausalLM`` (text only): our
@@ -127,8 +131,10 @@ def as_k3_parser(composed: type | None) -> type | None:
     ):
         return composed
 
+    from vllm_k3_plugin.vllm_adapter import serving_hooks
     from vllm_k3_plugin.vllm_adapter.parser import K3Parser
 
+    serving_hooks.install()
     if issubclass(composed, K3Parser):
         return composed
     return type(

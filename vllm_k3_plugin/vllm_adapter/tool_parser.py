@@ -1,9 +1,9 @@
 """``kimi_k3`` as a vLLM ``ToolParser``, reading with ``ToolCallReader``.
 
-``K3Parser`` (our combined parser) drives ``ToolCallReader`` itself, one per request,
-with the tools channel the reasoning reader hands over; this class is what the
-registry returns for ``--tool-call-parser kimi_k3``, so that the combined parser is
-built with it, and it serves callers that drive a bare tool parser.
+``K3Parser`` (our combined parser) reads the tool calls itself, with one
+``OutputReader`` per request; this class is what the registry returns for
+``--tool-call-parser kimi_k3``, so that the combined parser is built with it, and it
+serves callers that drive a bare tool parser.
 
 Request handling (``adjust_request``: the markers must reach the parser as text, the
 XTML structural tag for ``required`` and named tool choice) is vLLM's own
@@ -35,16 +35,15 @@ from vllm.entrypoints.generate.base.protocol import (
 from vllm.logger import init_logger
 from vllm.tool_parsers.kimi_k3_tool_parser import KimiK3ToolParser
 
-from vllm_k3_plugin.reasoning_reader import Channel, ReasoningReader, collect
+from vllm_k3_plugin.output_reader import OutputReader, collect_output
+from vllm_k3_plugin.reasoning_reader import Channel, Content, Reasoning
 from vllm_k3_plugin.tool_reader import (
     ArgumentsDelta,
-    CallClosed,
+    CallCut,
     CallOpened,
     Dropped,
-    ToolCallReader,
-    ToolEvent,
-    read_calls,
 )
+from vllm_k3_plugin.tool_reader import ToolCall as ReadCall
 
 logger = init_logger("vllm.k3_plugin.tool_parser")
 
@@ -99,31 +98,27 @@ class UndeclaredTools:
         )
 
 
-class ToolCallStream:
-    """One request's tool calls as deltas; shared by ``K3Parser`` and the bare API."""
+class ToolCallDeltas:
+    """One request's tool-call events as vLLM deltas; shared by ``K3Parser`` and the
+    bare API."""
 
-    __slots__ = ("_first_number", "_reader", "_undeclared", "calls_made")
+    __slots__ = ("_first_number", "_undeclared", "calls_made")
 
     def __init__(self, request: Any, first_number: int) -> None:
         """``first_number``: the conversation's calls before this output."""
-        self._reader = ToolCallReader()
         self._first_number = first_number
         self._undeclared = UndeclaredTools(request)
         self.calls_made = False
+        """Whether a call was sent (closed or cut: the whole read lists both)."""
 
-    def feed(self, markup: str) -> list[DeltaToolCall]:
-        return self._deltas(self._reader.feed(markup))
-
-    def finish(self) -> list[DeltaToolCall]:
-        return self._deltas(self._reader.finish())
-
-    def _deltas(self, events: list[ToolEvent]) -> list[DeltaToolCall]:
+    def deltas(self, events: list[Any]) -> list[DeltaToolCall]:
         # Built with ``model_construct``: valid by construction, and this runs for
         # every token of a streamed argument.
         deltas: list[DeltaToolCall] = []
         for event in events:
             kind = type(event)
             if kind is CallOpened:
+                self.calls_made = True
                 self._undeclared.check(event.name)
                 deltas.append(
                     DeltaToolCall.model_construct(
@@ -149,9 +144,8 @@ class ToolCallStream:
                             ),
                         )
                     )
-            elif kind is CallClosed:
-                # As the whole read counts them: a call cut off is not a call made.
-                self.calls_made = True
+            elif kind is CallCut:
+                log_cut(event.index)
             elif kind is Dropped:
                 log_dropped(event)
         return deltas
@@ -162,19 +156,26 @@ def log_dropped(event: Dropped) -> None:
     logger.info("kimi_k3 tool calls: dropped %s%s", event.reason, where)
 
 
-def read_function_calls(
-    markup: str, request: Any, first_number: int
+def log_cut(index: int) -> None:
+    logger.info(
+        "kimi_k3 tool calls: call %d was cut off by the end of the output; its "
+        "arguments are as far as they arrived",
+        index,
+    )
+
+
+def function_calls(
+    calls: list[ReadCall], dropped: list[Dropped], request: Any, first_number: int
 ) -> list[FunctionCall]:
-    """The calls of a whole tools channel, with the same ids the stream gives
-    (``first_number`` as ``ToolCallStream`` takes it)."""
-    calls, dropped = read_calls(markup)
+    """The calls of a whole output, with the ids the stream gives (``first_number``
+    as ``ToolCallDeltas`` takes it); a cut call is among them, as it streamed."""
     for event in dropped:
         log_dropped(event)
-    if not calls:
-        return []
     undeclared = UndeclaredTools(request)
     for call in calls:
         undeclared.check(call.name)
+        if not call.complete:
+            log_cut(call.index)
     return [
         FunctionCall(
             id=tool_call_id(call.name, first_number + call.index),
@@ -189,27 +190,30 @@ class K3ToolParser(KimiK3ToolParser):
     """The Kimi-K3 tools channel, read by ``ToolCallReader``.
 
     Driven bare (no ``kimi_k3`` reasoning parser in front), the text it gets is read
-    from the response channel: framing is stripped, a think channel the model opens
-    itself is content (once: the bare API never says how the output ended, so
-    nothing is replayed), and the tools channel becomes calls.
+    from the response channel, from text alone (the bare whole-output API gets no
+    token ids, and both paths must read alike): framing is stripped, a think channel
+    the model opens itself is content (once: the bare API never says how the output
+    ended, so nothing is replayed), and the tools channel becomes calls.
     """
 
     def __init__(self, tokenizer: Any, tools: list[Any] | None = None) -> None:
         super().__init__(tokenizer, tools)
-        self._bare_reader: ReasoningReader | None = None
-        self._bare_calls: ToolCallStream | None = None
+        self._bare_reader: OutputReader | None = None
+        self._bare_calls: ToolCallDeltas | None = None
 
     def extract_tool_calls(
         self, model_output: str, request: Any
     ) -> ExtractedToolCallInformation:
         # Read as the bare streaming API reads (it never learns how the output
-        # ended): a think channel's text streams once, as it would live.
-        reader = ReasoningReader(start=Channel.RESPONSE)
-        events = reader.feed(model_output) + reader.finish(stopped=False)
-        reading = collect(events)
+        # ended, nor has the whole read its ids): text alone, a think channel's text
+        # once, as it would stream live.
+        reader = OutputReader(start=Channel.RESPONSE)
+        reading = collect_output(
+            reader.feed(model_output) + reader.finish(stopped=False)
+        )
         content = (reading.reasoning + reading.content) or None
-        calls = read_function_calls(
-            reading.tool_markup, request, history_call_count(request)
+        calls = function_calls(
+            reading.calls, reading.dropped, request, history_call_count(request)
         )
         return ExtractedToolCallInformation(
             tools_called=bool(calls),
@@ -236,13 +240,13 @@ class K3ToolParser(KimiK3ToolParser):
         # The bare API never says the output ended: a marker cut off at the very end
         # stays held (it is never content either way).
         if self._bare_reader is None:
-            self._bare_reader = ReasoningReader(start=Channel.RESPONSE)
-            self._bare_calls = ToolCallStream(request, history_call_count(request))
-        reading = collect(self._bare_reader.feed(delta_text))
-        content = reading.reasoning + reading.content
-        calls = (
-            self._bare_calls.feed(reading.tool_markup) if reading.tool_markup else []
+            self._bare_reader = OutputReader(start=Channel.RESPONSE)
+            self._bare_calls = ToolCallDeltas(request, history_call_count(request))
+        events = self._bare_reader.feed(delta_text)
+        content = "".join(
+            event.text for event in events if type(event) in (Reasoning, Content)
         )
+        calls = self._bare_calls.deltas(events)
         if not (content or calls):
             return None
         return DeltaMessage.model_construct(content=content or None, tool_calls=calls)

@@ -1,0 +1,193 @@
+"""One regression test per defect family of the reading contract (K3_FORMAT rules 3,
+6, 8 and 9), each the shrunk form of a shape other engines test on: the output as the
+model writes it (structure in control ids, quoted markers in BPE pieces), read whole
+and one token at a time, with how it ended.
+"""
+
+from __future__ import annotations
+
+from tests.k3_ids import Control, encode, id_atoms, token_chunks
+from vllm_k3_plugin import vocab
+from vllm_k3_plugin.output_reader import (
+    OutputReader,
+    OutputReading,
+    collect_output,
+    finish_reason,
+)
+from vllm_k3_plugin.reasoning_reader import Channel
+from vllm_k3_plugin.tool_reader import ToolCall
+
+OPEN, CLOSE, SEP = vocab.OPEN, vocab.CLOSE, vocab.SEP
+THINK, RESPONSE = Channel.THINK, Channel.RESPONSE
+END = Control(vocab.RESPONSE_END + vocab.MESSAGE_END)
+
+
+def call_opener(name: str) -> Control:
+    return Control(f'{OPEN}call tool="{name}" index="1"{SEP}')
+
+
+def argument(key: str) -> Control:
+    return Control(f'{OPEN}argument key="{key}" type="string"{SEP}')
+
+
+def read(start: Channel, *pieces, stopped: bool = True) -> tuple[OutputReading, str]:
+    """The reading, checked equal whole and token by token, and its finish reason."""
+    text, ids = encode(*pieces)
+    if stopped:
+        ids.append(vocab.END_OF_MSG_ID)
+    readings = []
+    for chunks in ([(text, ids)], token_chunks(ids)):
+        reader = OutputReader(start, atoms=id_atoms())
+        events = [e for chunk in chunks for e in reader.feed(*chunk)]
+        readings.append(collect_output(events + reader.finish(stopped=stopped)))
+    whole, streamed = readings
+    assert streamed == whole
+    closed = sum(call.complete for call in whole.calls)
+    reason = finish_reason(
+        "stop" if stopped else "length", closed, len(whole.calls) - closed
+    )
+    return whole, reason
+
+
+def test_1_a_cut_call_is_the_same_streamed_and_whole():
+    reading, reason = read(
+        THINK,
+        "Listing.",
+        Control(vocab.THINK_END + vocab.RESPONSE_START),
+        "Sure.",
+        Control(vocab.RESPONSE_END + vocab.TOOLS_START),
+        call_opener("list_dir"),
+        argument("path"),
+        "/srv/da",
+        stopped=False,
+    )
+    assert (reading.reasoning, reading.content) == ("Listing.", "Sure.")
+    assert reading.calls == [ToolCall(0, "list_dir", '{"path": "/srv/da', False)]
+    assert reason == "length"
+
+
+def test_1_a_stop_inside_a_call_is_no_tool_calls_finish():
+    reading, reason = read(
+        RESPONSE,
+        Control(vocab.RESPONSE_END + vocab.TOOLS_START),
+        call_opener("run"),
+        argument("cmd"),
+        "rm -rf /tmp/build",
+        Control(CLOSE + "argument"),
+        stopped=True,
+    )
+    assert reading.calls == [ToolCall(0, "run", '{"cmd": "rm -rf /tmp/build', False)]
+    assert reason == "stop"
+
+
+def test_2_text_after_a_quoted_tools_opener_is_kept():
+    reading, _ = read(
+        RESPONSE,
+        "The section starts with ",
+        Control(vocab.TOOLS_START),
+        " and lists the calls.",
+        END,
+    )
+    assert reading.content == "The section starts with  and lists the calls."
+    assert reading.calls == []
+    # Inside reasoning, the thought goes on after it.
+    reading, _ = read(
+        THINK,
+        "Quoting ",
+        Control(vocab.TOOLS_START),
+        " here.",
+        Control(vocab.THINK_END + vocab.RESPONSE_START),
+        "Done.",
+        END,
+    )
+    assert (reading.reasoning, reading.content) == ("Quoting  here.", "Done.")
+
+
+def test_3_text_in_a_tools_channel_outside_calls_is_content():
+    call = [
+        argument("city"),
+        "Paris",
+        Control(vocab.ARGUMENT_END + vocab.CALL_END),
+    ]
+    reading, reason = read(
+        RESPONSE,
+        Control(vocab.RESPONSE_END + vocab.TOOLS_START),
+        call_opener("get_weather"),
+        *call,
+        "Then Lyon:",
+        call_opener("get_weather"),
+        *call,
+        "\nDone.",
+        END,
+    )
+    assert reading.content == "Then Lyon:\nDone."
+    assert [call.name for call in reading.calls] == ["get_weather"] * 2
+    assert reason == "tool_calls"
+
+
+def test_4_a_think_block_anywhere_is_reasoning_and_an_interrupted_one_resumes():
+    reading, _ = read(
+        THINK,
+        "Need data.",
+        Control(vocab.TOOLS_START),
+        call_opener("get_weather"),
+        argument("city"),
+        "Paris",
+        Control(vocab.ARGUMENT_END + vocab.CALL_END + vocab.THINK_START),
+        " Between calls.",
+        Control(vocab.THINK_END + vocab.TOOLS_END),
+        " Resumed.",
+        Control(vocab.THINK_END + vocab.RESPONSE_START),
+        "Answer.",
+        END,
+    )
+    assert reading.reasoning == "Need data. Between calls. Resumed."
+    assert reading.content == "Answer."
+    assert [call.arguments for call in reading.calls] == ['{"city": "Paris"}']
+
+
+def test_5_marker_characters_in_bpe_pieces_are_text():
+    reading, _ = read(
+        RESPONSE,
+        Control(vocab.RESPONSE_END + vocab.TOOLS_START),
+        call_opener("bash"),
+        argument("cmd"),
+        "grep -n '<|close|>argument<|sep|>' src/",
+        Control(vocab.ARGUMENT_END + vocab.CALL_END + vocab.TOOLS_END),
+        END,
+    )
+    assert reading.calls[0].arguments == (
+        '{"cmd": "grep -n \'<|close|>argument<|sep|>\' src/"}'
+    )
+    reading, _ = read(RESPONSE, '{"open": "<|open|>response<|sep|>"}', END)
+    assert reading.content == '{"open": "<|open|>response<|sep|>"}'
+
+
+def test_6_control_markup_inside_a_value_ends_it():
+    reading, _ = read(
+        RESPONSE,
+        Control(vocab.RESPONSE_END + vocab.TOOLS_START),
+        call_opener("calc"),
+        argument("expr"),
+        "1+2;",
+        END,
+    )
+    assert reading.calls == [ToolCall(0, "calc", '{"expr": "1+2;"}')]
+    assert reading.content == ""
+    reading, _ = read(
+        RESPONSE,
+        Control(vocab.RESPONSE_END + vocab.TOOLS_START),
+        call_opener("search"),
+        argument("q"),
+        "Par",
+        Control(vocab.TOOLS_START),
+        call_opener("get_weather"),
+        argument("city"),
+        "Paris",
+        Control(vocab.ARGUMENT_END + vocab.CALL_END + vocab.TOOLS_END),
+        END,
+    )
+    assert reading.calls == [
+        ToolCall(0, "search", '{"q": "Par"}'),
+        ToolCall(1, "get_weather", '{"city": "Paris"}'),
+    ]

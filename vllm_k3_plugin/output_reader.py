@@ -1,0 +1,158 @@
+"""OutputReader: one K3 output read into reasoning, content and tool calls, in order.
+
+Sans-I/O: the reasoning reader splits the channels; the tools channel's markup goes
+to one tool-call reader, whose prose (text outside calls) joins the content where it
+stood. Events come out in the order the output wrote them. The non-streaming read
+(``read_output``) is this reader fed the whole output once.
+
+How the output ended decides ``finish_reason`` (``finish_reason``): ``tool_calls``
+only when the model stopped itself and every call it made closed; a call cut off by
+``max_tokens`` or by a stop inside it leaves what ended the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from vllm_k3_plugin import marked as m
+from vllm_k3_plugin.reasoning_reader import (
+    Channel,
+    Content,
+    Reasoning,
+    ReasoningReader,
+    ReplayPolicy,
+    ToolMarkup,
+)
+from vllm_k3_plugin.tool_reader import (
+    ArgumentsDelta,
+    CallClosed,
+    CallCut,
+    CallOpened,
+    Dropped,
+    Prose,
+    ToolCall,
+    ToolCallReader,
+    collect_calls,
+)
+
+OutputEvent = (
+    Reasoning | Content | CallOpened | ArgumentsDelta | CallClosed | CallCut | Dropped
+)
+
+
+class OutputReading(NamedTuple):
+    """A whole output read."""
+
+    reasoning: str
+    content: str
+    calls: list[ToolCall]
+    dropped: list[Dropped]
+
+
+class OutputReader:
+    """One request's reader. ``read_tools=False`` (no tool parser): the tools
+    channel is text of the reply, its markup in place among the content."""
+
+    __slots__ = ("_read_tools", "_reasoning", "_tools", "prose_chars")
+
+    def __init__(
+        self,
+        start: Channel = Channel.THINK,
+        policy: ReplayPolicy = ReplayPolicy.REPLAY,
+        atoms: m.TextAtoms | m.IdAtoms | None = None,
+        *,
+        read_tools: bool = True,
+    ) -> None:
+        self._reasoning = ReasoningReader(start=start, policy=policy, atoms=atoms)
+        self._tools = ToolCallReader(m.ALREADY_MARKED) if read_tools else None
+        self._read_tools = read_tools
+        self.prose_chars = 0
+        """Characters of text read in a tools channel outside any call."""
+
+    @property
+    def reasoning_reader(self) -> ReasoningReader:
+        return self._reasoning
+
+    def feed(self, text: str, ids: Sequence[int] | None = None) -> list[OutputEvent]:
+        return self._route(self._reasoning.feed(text, ids))
+
+    def finish(self, *, stopped: bool) -> list[OutputEvent]:
+        events = self._route(self._reasoning.finish(stopped=stopped))
+        if self._tools is not None:
+            events += self._from_tools(self._tools.finish())
+        return events
+
+    def _route(self, events: list) -> list[OutputEvent]:
+        if not events:
+            return events
+        out: list[OutputEvent] = []
+        for event in events:
+            if type(event) is not ToolMarkup:
+                out.append(event)
+            elif self._tools is None:
+                out.append(Content(m.unmarked(event.text)))
+            else:
+                out += self._from_tools(self._tools.feed(event.text))
+        return out
+
+    def _from_tools(self, events: list) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
+        for event in events:
+            if type(event) is Prose:
+                self.prose_chars += len(event.text)
+                out.append(Content(event.text))
+            else:
+                out.append(event)
+        return out
+
+
+def split_events(events: list[OutputEvent]) -> tuple[str, str, list[OutputEvent]]:
+    """Reasoning joined, content joined, and the tool-call events in order."""
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: list[OutputEvent] = []
+    for event in events:
+        kind = type(event)
+        if kind is Reasoning:
+            reasoning.append(event.text)
+        elif kind is Content:
+            content.append(event.text)
+        else:
+            calls.append(event)
+    return "".join(reasoning), "".join(content), calls
+
+
+def collect_output(events: list[OutputEvent]) -> OutputReading:
+    reasoning, content, calls = split_events(events)
+    return OutputReading(
+        reasoning,
+        content,
+        collect_calls(calls),
+        [event for event in calls if type(event) is Dropped],
+    )
+
+
+def read_output(
+    text: str,
+    *,
+    stopped: bool,
+    start: Channel = Channel.THINK,
+    policy: ReplayPolicy = ReplayPolicy.REPLAY,
+    ids: Sequence[int] | None = None,
+    atoms: m.TextAtoms | m.IdAtoms | None = None,
+    read_tools: bool = True,
+) -> OutputReading:
+    """The non-streaming read: the streaming reader fed the whole output once."""
+    reader = OutputReader(start, policy, atoms, read_tools=read_tools)
+    events = reader.feed(text, ids)
+    events += reader.finish(stopped=stopped)
+    return collect_output(events)
+
+
+def finish_reason(engine_reason: str, calls_closed: int, calls_cut: int) -> str:
+    """The finish reason a reply reports (before any forced-tool rule):
+    ``tool_calls`` only when the model stopped itself with calls all closed."""
+    if engine_reason == "stop" and calls_closed and not calls_cut:
+        return "tool_calls"
+    return engine_reason

@@ -1,0 +1,199 @@
+"""What a reply says when the output ended inside a tool call (K3_FORMAT rule 9).
+
+A call the end of the output cut off (``max_tokens``, or a stop inside the call) is
+in the reply as it streamed, and the reply's finish reason is what ended the output,
+never ``tool_calls``; on ``/v1/messages``, never ``tool_use``. vLLM decides those
+reasons in its serving layer from "were tool calls made", which a cut call answers
+yes. ``K3Parser`` records each output it finishes reading (``record_output``), in the
+asyncio task that serves the request; the hooks here read that record where vLLM
+decides:
+
+- vLLM 0.33: ``resolve_finish_reason``, as chat completions' two paths import it;
+- vLLM 0.32: the chat completions response and stream (``tool_calls`` is decided
+  inline there): the choice's finish reason is set back to what ended the output;
+- both: ``/v1/messages``' stop reason, and its non-streaming conversion, whose
+  ``json.loads`` of each call's arguments fails on a cut call: there a call whose
+  arguments are not JSON keeps them as text, ``{RAW_ARGUMENTS_KEY: "<text>"}``.
+
+Responses needs nothing: it reports the engine's finish reason.
+
+All hooks are installed once, in the API server, when vLLM first composes a
+``kimi_k3`` parser; a reply with no K3 output read leaves every hook inert.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
+
+RAW_ARGUMENTS_KEY = "_raw_arguments"
+_MARK = "_vllm_k3_plugin_hook"
+_TOOL_CALLS_FINISH = '"finish_reason":"tool_calls"'
+
+
+class Outcome(NamedTuple):
+    """How one output read ended."""
+
+    calls_cut: bool
+    """A tool call was still open when the output ended."""
+    ended_by: str
+    """``stop`` (the model stopped itself) or ``length``."""
+
+
+_OUTCOMES: contextvars.ContextVar[list[Outcome] | None] = contextvars.ContextVar(
+    "vllm_k3_plugin_outcomes", default=None
+)
+
+
+def record_output(*, calls_cut: bool, stopped: bool) -> None:
+    """Called by ``K3Parser`` when it finishes reading an output."""
+    outcome = Outcome(calls_cut, "stop" if stopped else "length")
+    outcomes = _OUTCOMES.get()
+    if outcomes is None:
+        _OUTCOMES.set([outcome])
+    else:
+        outcomes.append(outcome)
+
+
+def last_output_cut() -> bool:
+    outcomes = _OUTCOMES.get()
+    return bool(outcomes) and outcomes[-1].calls_cut
+
+
+def install() -> None:
+    """Install every hook this vLLM has a place for (idempotent)."""
+    _hook_resolve_finish_reason()
+    _hook_chat_completions_032()
+    _hook_messages()
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+    original = getattr(owner, name, None)
+    if original is None or getattr(original, _MARK, False):
+        return
+    wrapped = make(original)
+    setattr(wrapped, _MARK, True)
+    setattr(owner, name, wrapped)
+
+
+# -- vLLM 0.33 ------------------------------------------------------------------------
+
+
+def _hook_resolve_finish_reason() -> None:
+    import importlib
+
+    for module_name in (
+        "vllm.entrypoints.openai.chat_completion.serving",
+        "vllm.entrypoints.openai.chat_completion.stream_processor",
+    ):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, "resolve_finish_reason"):
+            _wrap(module, "resolve_finish_reason", _resolving_cut_calls)
+
+
+def _resolving_cut_calls(original: Callable[..., str]) -> Callable[..., str]:
+    @functools.wraps(original)
+    def resolve_finish_reason(engine_finish_reason, request, tool_calls_made):
+        if tool_calls_made and last_output_cut():
+            tool_calls_made = False
+        return original(engine_finish_reason, request, tool_calls_made)
+
+    return resolve_finish_reason
+
+
+# -- vLLM 0.32 ------------------------------------------------------------------------
+
+
+def _hook_chat_completions_032() -> None:
+    from vllm.entrypoints.openai.chat_completion import serving
+
+    if hasattr(serving, "resolve_finish_reason"):
+        return  # 0.33 decides in ``resolve_finish_reason``
+    chat = serving.OpenAIServingChat
+    _wrap(chat, "chat_completion_full_generator", _full_reply_reasons)
+    _wrap(chat, "chat_completion_stream_generator", _stream_reply_reasons)
+
+
+def _full_reply_reasons(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def chat_completion_full_generator(self, *args, **kwargs):
+        # Left set: ``/v1/messages`` reads the outcome after this returns (the
+        # variable lives as long as the request's task).
+        _OUTCOMES.set([])
+        response = await original(self, *args, **kwargs)
+        outcomes = _OUTCOMES.get() or []
+        choices = getattr(response, "choices", None) or []
+        # The parser reads the choices in order, one output each.
+        if len(outcomes) == len(choices):
+            for choice, outcome in zip(choices, outcomes):
+                if outcome.calls_cut and choice.finish_reason == "tool_calls":
+                    choice.finish_reason = outcome.ended_by
+        return response
+
+    return chat_completion_full_generator
+
+
+def _stream_reply_reasons(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def chat_completion_stream_generator(
+        self, *args, **kwargs
+    ) -> AsyncIterator[str]:
+        _OUTCOMES.set([])
+        async for chunk in original(self, *args, **kwargs):
+            # A choice's finishing chunk follows the read of its last delta.
+            if _TOOL_CALLS_FINISH in chunk and last_output_cut():
+                chunk = chunk.replace(_TOOL_CALLS_FINISH, '"finish_reason":"stop"')
+            yield chunk
+
+    return chat_completion_stream_generator
+
+
+# -- /v1/messages ---------------------------------------------------------------------
+
+
+def _hook_messages() -> None:
+    try:
+        from vllm.entrypoints.anthropic import serving
+    except ImportError:
+        return
+    _wrap(serving, "_to_anthropic_stop_reason", _stop_reason_of_cut_calls)
+    _wrap(serving.AnthropicServingMessages, "messages_full_converter", _raw_arguments)
+
+
+def _stop_reason_of_cut_calls(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def to_anthropic_stop_reason(finish_reason, stop_reason, tool_used, tool_complete):
+        if tool_used and last_output_cut():
+            if finish_reason == "tool_calls":
+                finish_reason = "stop"
+            tool_used = tool_complete = False
+        return original(finish_reason, stop_reason, tool_used, tool_complete)
+
+    return to_anthropic_stop_reason
+
+
+def _raw_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def messages_full_converter(self, generator):
+        for choice in getattr(generator, "choices", None) or []:
+            for call in getattr(choice.message, "tool_calls", None) or []:
+                call.function.arguments = json_object_text(call.function.arguments)
+        return original(self, generator)
+
+    return messages_full_converter
+
+
+def json_object_text(arguments: str) -> str:
+    """``arguments`` if it is a JSON object; else an object keeping it as text."""
+    try:
+        if isinstance(json.loads(arguments), dict):
+            return arguments
+    except (ValueError, RecursionError):
+        pass
+    return json.dumps({RAW_ARGUMENTS_KEY: arguments}, ensure_ascii=False)
