@@ -115,6 +115,8 @@ class TextAtoms(_HeldTail):
     reads_ids = False
 
     def mark(self, text: str, ids: Sequence[int] | None = None) -> str:
+        if not self._held and _ATOM_START not in text:
+            return text  # the usual step: nothing held, no atom can start
         body, may_hold = self._decided(text)
         return marked(body) if may_hold else body
 
@@ -182,12 +184,10 @@ class AtomTokens:
         return [atom for _, atom in sorted(found)]
 
 
-def _is_plain(table: bytearray, token: int) -> bool:
-    """A token seen before that ends no atom (an id past the table is not)."""
-    try:
-        return table[token] == AtomTokens._PLAIN
-    except IndexError:
-        return False
+# Ids before a token that an atom ending in it can reach back into.
+_WINDOW = _MAX_HOLD + 1
+# A position whose flags are not plain's alone (unseen, a control id, ``|``, ``>``).
+_NOT_PLAIN = re.compile(b"[^\x01]").finditer
 
 
 class IdAtoms(_HeldTail):
@@ -213,36 +213,51 @@ class IdAtoms(_HeldTail):
         """Atom strings the model wrote in BPE pieces: text, not structure."""
         # (atom, marked) for each atom the ids announced and the text has not shown.
         self._pending: collections.deque[tuple[str, bool]] = collections.deque()
-        self._recent: collections.deque[int] = collections.deque(maxlen=_MAX_HOLD + 1)
+        self._recent: collections.deque[int] = collections.deque(maxlen=_WINDOW)
 
     def mark(self, text: str, ids: Sequence[int] | None = None) -> str:
         if ids:
-            if len(ids) == 1 and _is_plain(self._plain, ids[0]):
+            try:
                 # The usual streaming step: one token seen before, ending no atom.
+                plain = len(ids) == 1 and self._plain[ids[0]] == AtomTokens._PLAIN
+            except IndexError:  # an id past the table
+                plain = False
+            if plain:
+                self._recent.append(ids[0])
+            elif len(ids) == 1 and ids[0] in _MARK_OF_ID:
+                self._pending.append((_ATOM_OF[_MARK_OF_ID[ids[0]]], True))
                 self._recent.append(ids[0])
             else:
                 self._read_ids(ids)
+        if not self._held and _ATOM_START not in text:
+            return text
         body, may_hold = self._decided(text)
         if not may_hold or not self._pending:
             return body
         return _ATOM_RE.sub(self._name, body)
 
     def _read_ids(self, ids: Sequence[int]) -> None:
-        recent = self._recent
-        pending = self._pending
-        tokens = self._tokens
-        plain = self._plain
-        for token in ids:
-            if _is_plain(plain, token):
-                pass  # the usual token: seen before, ending no atom
-            elif token >= vocab.BPE_RANK_COUNT:
+        """Queue the atoms ``ids`` spell. Plain tokens (the bulk) are skipped in C:
+        the table maps each id to its flags, and only the others are looked at."""
+        try:
+            flags = bytes(map(self._plain.__getitem__, ids))
+        except IndexError:  # an id past the table: look at each
+            flags = bytes(len(ids))
+        recent = list(self._recent)
+        for found in _NOT_PLAIN(flags):
+            at = found.start()
+            token = ids[at]
+            if token >= vocab.BPE_RANK_COUNT:
                 mark = _MARK_OF_ID.get(token)
                 if mark is not None:
-                    pending.append((_ATOM_OF[mark], True))
-            elif tokens.flags(token) & AtomTokens._GT:
-                for atom in tokens.atoms_ending_in(recent, token):
-                    pending.append((atom, False))
-            recent.append(token)
+                    self._pending.append((_ATOM_OF[mark], True))
+            elif self._tokens.flags(token) & AtomTokens._GT:
+                before = ids[max(0, at - _WINDOW) : at]
+                if len(before) < _WINDOW:
+                    before = (recent + list(before))[-_WINDOW:]
+                for atom in self._tokens.atoms_ending_in(before, token):
+                    self._pending.append((atom, False))
+        self._recent.extend(ids[-_WINDOW:])
 
     def _name(self, match: re.Match[str]) -> str:
         atom = match[0]

@@ -52,12 +52,12 @@ class MarkerScanner:
     """Scans text fed in any chunking into the same marker events."""
 
     __slots__ = (
+        "_find_start",
         "_finished",
         "_held",
         "_max_hold",
         "_prefixes",
         "_split",
-        "_starts",
     )
 
     def __init__(self, markers: Iterable[str]) -> None:
@@ -65,7 +65,7 @@ class MarkerScanner:
         self._split = compiled.split
         self._prefixes = compiled.prefixes
         self._max_hold = compiled.max_hold
-        self._starts = compiled.starts
+        self._find_start = compiled.find_start
         self._held = ""
         self._finished = False
 
@@ -100,10 +100,8 @@ class MarkerScanner:
         if not buf:
             return []
         self._held = ""
-        if len(self._starts) == 1:
-            (start_char,) = self._starts
-            if start_char not in buf:
-                return [buf]
+        if self._find_start(buf) is None:
+            return [buf]
         parts = self._split(buf)
         if len(parts) > 1:
             # The last marker may be the start of a longer one still arriving (only
@@ -129,19 +127,12 @@ class MarkerScanner:
     def _undecided_tail(self, text: str) -> int:
         """Start of the longest suffix of ``text`` that could begin a marker."""
         end = len(text)
-        lo = max(0, end - self._max_hold)
-        if len(self._starts) == 1:
-            # Every marker starts with one character: visit only its occurrences.
-            (start_char,) = self._starts
-            index = text.find(start_char, lo)
-            while index != -1:
-                if text[index:] in self._prefixes:
-                    return index
-                index = text.find(start_char, index + 1)
-            return end
-        for index in range(lo, end):
-            if text[index] in self._starts and text[index:] in self._prefixes:
+        found = self._find_start(text, max(0, end - self._max_hold))
+        while found is not None:
+            index = found.start()
+            if text[index:] in self._prefixes:
                 return index
+            found = self._find_start(text, index + 1)
         return end
 
 
@@ -149,7 +140,8 @@ class _Compiled(NamedTuple):
     split: Callable[[str], list[str]]
     prefixes: frozenset[str]
     max_hold: int
-    starts: frozenset[str]
+    find_start: Callable[..., re.Match[str] | None]
+    """The first character that begins some marker, from a position (in C)."""
 
 
 @functools.lru_cache(maxsize=32)
@@ -163,7 +155,9 @@ def _compile(markers: frozenset[str]) -> _Compiled:
         split=re.compile("(" + "|".join(map(re.escape, ordered)) + ")").split,
         prefixes=frozenset(m[:i] for m in ordered for i in range(1, len(m))),
         max_hold=len(ordered[0]) - 1,
-        starts=frozenset(m[0] for m in ordered),
+        find_start=re.compile(
+            "[" + "".join(re.escape(c) for c in sorted({m[0] for m in ordered})) + "]"
+        ).search,
     )
 
 
