@@ -191,3 +191,19 @@ def test_6_control_markup_inside_a_value_ends_it():
         ToolCall(0, "search", '{"q": "Par"}'),
         ToolCall(1, "get_weather", '{"city": "Paris"}'),
     ]
+
+
+def test_9_the_stop_token_text_never_closes_a_call():
+    """With ``include_stop_str_in_output`` vLLM keeps the stop token's text; the call
+    is still cut there, as it is when the text is dropped."""
+    text, ids = encode(
+        Control(vocab.RESPONSE_END + vocab.TOOLS_START),
+        call_opener("run"),
+        argument("cmd"),
+        "rm -rf /",
+    )
+    ids.append(vocab.END_OF_MSG_ID)
+    reader = OutputReader(RESPONSE, atoms=id_atoms())
+    events = reader.feed(text + vocab.END_OF_MSG, ids) + reader.finish(stopped=True)
+    (call,) = collect_output(events).calls
+    assert (call.arguments, call.complete) == ('{"cmd": "rm -rf /', False)

@@ -65,3 +65,20 @@ def test_install_is_idempotent_in_this_vllm():
     wrapped = serving._to_anthropic_stop_reason
     assert getattr(wrapped, serving_hooks._MARK)
     assert not getattr(wrapped.__wrapped__, serving_hooks._MARK, False)
+
+
+def test_a_length_cut_with_every_call_closed_stays_length_on_0_32():
+    """vLLM 0.32's full response says ``tool_calls`` whenever calls were made; its
+    stream says ``length`` for the same output, and so must the response."""
+    import asyncio
+    from types import SimpleNamespace
+
+    async def full_generator(self):
+        record_output(calls_cut=False, stopped=False)
+        record_output(calls_cut=False, stopped=True)
+        choices = [SimpleNamespace(finish_reason="tool_calls") for _ in range(2)]
+        return SimpleNamespace(choices=choices)
+
+    wrapped = serving_hooks._full_reply_reasons(full_generator)
+    response = contextvars.Context().run(asyncio.run, wrapped(None))
+    assert [c.finish_reason for c in response.choices] == ["length", "tool_calls"]

@@ -303,11 +303,9 @@ class ToolCallReader:
             self._tag_kind = mark
             self._tag = []
             self._tag_chars = 0
-        elif mark == m.END_OF_MSG:
-            self._element_boundary()
-            self._end_value_if_open()
-            self._end_call()
-        # A separator with no tag before it is framing: dropped.
+        # A separator with no tag before it is framing: dropped. So is the stop
+        # token's text (vLLM keeps it with ``include_stop_str_in_output``): the
+        # output ends there, and a call still open is cut, never closed by it.
 
     def _text(self, text: str) -> None:
         if self._tag_kind is not None:

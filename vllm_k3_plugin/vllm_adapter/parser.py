@@ -173,12 +173,14 @@ class K3Parser(DelegatingParser):
     def _start(self, prompt_ids: Sequence[int] | None) -> Channel:
         return start_channel(prompt_ids, self.k3_reasoning.decode, self._thinking)
 
-    def _atoms(self, ids: Sequence[int]) -> marked.TextAtoms | marked.IdAtoms:
-        """Structure from the output's ids; from text alone where a caller has none."""
-        return marked.atoms_for(bool(ids), self.k3_reasoning.atom_tokens)
+    def _atoms(self, ids: Sequence[int] | None) -> marked.TextAtoms | marked.IdAtoms:
+        """Structure from the output's ids; from text alone where a caller has none
+        (``None``: a stream, whose steps always carry their ids, even an empty list)."""
+        known = ids is None or bool(ids)
+        return marked.atoms_for(known, self.k3_reasoning.atom_tokens)
 
     def _reader(
-        self, prompt_ids: Sequence[int] | None, ids: Sequence[int]
+        self, prompt_ids: Sequence[int] | None, ids: Sequence[int] | None
     ) -> OutputReader | ReasoningReader:
         start, atoms = self._start(prompt_ids), self._atoms(ids)
         if self._tool_parser is None or self._reads_tools:
@@ -281,7 +283,7 @@ class K3Parser(DelegatingParser):
             prompt_ids = prompt_token_ids or self._prompt_ids
             if prompt_token_ids is not None:
                 self._prompt_ids = prompt_token_ids
-            reader = self._reader(prompt_ids, delta_token_ids)
+            reader = self._reader(prompt_ids, None)
             stream = self._stream = _Stream(reader, len(prompt_ids or ()))
 
         events = (

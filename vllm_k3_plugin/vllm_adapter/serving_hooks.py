@@ -18,7 +18,8 @@ decides:
 Responses needs nothing: it reports the engine's finish reason.
 
 All hooks are installed once, in the API server, when vLLM first composes a
-``kimi_k3`` parser; a reply with no K3 output read leaves every hook inert.
+``kimi_k3`` parser. The finish-reason hooks change nothing for a reply with no K3
+output read; the ``/v1/messages`` conversion keeps any non-object arguments as text.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def _hook_resolve_finish_reason() -> None:
     for module_name in (
         "vllm.entrypoints.openai.chat_completion.serving",
         "vllm.entrypoints.openai.chat_completion.stream_processor",
+        "vllm.renderers.online_derenderer",
     ):
         try:
             module = importlib.import_module(module_name)
@@ -132,7 +134,10 @@ def _full_reply_reasons(original: Callable[..., Any]) -> Callable[..., Any]:
         # The parser reads the choices in order, one output each.
         if len(outcomes) == len(choices):
             for choice, outcome in zip(choices, outcomes):
-                if outcome.calls_cut and choice.finish_reason == "tool_calls":
+                # 0.32 says ``tool_calls`` whenever calls were made; a length cut
+                # stays ``length`` (as its stream says), a cut call what ended it.
+                cut = outcome.calls_cut or outcome.ended_by != "stop"
+                if cut and choice.finish_reason == "tool_calls":
                     choice.finish_reason = outcome.ended_by
         return response
 
