@@ -112,8 +112,6 @@ class TextAtoms(_HeldTail):
 
     __slots__ = ()
 
-    reads_ids = False
-
     def mark(self, text: str, ids: Sequence[int] | None = None) -> str:
         if not self._held and _ATOM_START not in text:
             return text  # the usual step: nothing held, no atom can start
@@ -203,8 +201,6 @@ class IdAtoms(_HeldTail):
 
     __slots__ = ("_pending", "_plain", "_recent", "_tokens", "quoted_atoms")
 
-    reads_ids = True
-
     def __init__(self, tokens: AtomTokens) -> None:
         super().__init__()
         self._tokens = tokens
@@ -281,8 +277,6 @@ class AlreadyMarked:
     """Text that is marked already (the reasoning reader's ``ToolMarkup``)."""
 
     __slots__ = ()
-
-    reads_ids = True
 
     def mark(self, text: str, ids: Sequence[int] | None = None) -> str:
         return text

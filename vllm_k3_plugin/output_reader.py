@@ -54,7 +54,7 @@ class OutputReader:
     """One request's reader. ``read_tools=False`` (no tool parser): the tools
     channel is text of the reply, its markup in place among the content."""
 
-    __slots__ = ("_read_tools", "_reasoning", "_tools", "prose_chars")
+    __slots__ = ("_reasoning", "_tools", "prose_chars")
 
     def __init__(
         self,
@@ -66,7 +66,6 @@ class OutputReader:
     ) -> None:
         self._reasoning = ReasoningReader(start=start, policy=policy, atoms=atoms)
         self._tools = ToolCallReader(m.ALREADY_MARKED) if read_tools else None
-        self._read_tools = read_tools
         self.prose_chars = 0
         """Characters of text read in a tools channel outside any call."""
 

@@ -179,11 +179,6 @@ class ReasoningReader:
         """Whether a think channel is open (the engine's question)."""
         return self._channel is Channel.THINK
 
-    @property
-    def reads_ids(self) -> bool:
-        """Whether structure is read from token ids (else from text alone)."""
-        return self._atoms.reads_ids
-
     def feed(self, text: str, ids: Sequence[int] | None = None) -> list[ReaderEvent]:
         """Read the next chunk of the output (its text, and the ids it came from
         when reading ids); return the events it decides."""

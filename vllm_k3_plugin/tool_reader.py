@@ -225,10 +225,6 @@ class ToolCallReader:
         self._events: list[ToolEvent] = []
         self._run: list[str] = []
 
-    @property
-    def calls_started(self) -> int:
-        return self._count
-
     def feed(self, text: str, ids: Sequence[int] | None = None) -> list[ToolEvent]:
         """Read the next chunk (with its token ids, for ``marked.IdAtoms``)."""
         if self._state is _State.DONE:
