@@ -2,13 +2,15 @@
 
 "No text lost" is checked as: every character of the output that is not part of a
 marker the reader consumed reaches reasoning, content or the tools markup. The
-check strips recognised markers from the output and requires what is left to appear,
-in order, in the three fields together.
+check strips markers from the output (``words_of``: every atom, and the tag of every
+element, written here as regular expressions apart from the reader's own code) and
+requires what is left to appear, in order, in the three fields together.
 """
 
 from __future__ import annotations
 
 import random
+import re
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,22 +24,30 @@ from vllm_k3_plugin.reasoning_reader import (
     collect,
     read_whole,
 )
-from vllm_k3_plugin.scanner import Cut, MarkerScanner, Text
 
 STARTS = (Channel.THINK, Channel.RESPONSE)
 
 
+_OPEN, _CLOSE, _SEP = map(re.escape, (vocab.OPEN, vocab.CLOSE, vocab.SEP))
+_ATOM = "|".join(map(re.escape, vocab.CONTROL_ATOMS))
+_NAME = r"[A-Za-z_][\w.:-]*"
+_KEY = r"[A-Za-z_][\w.-]*"
+_ATTRIBUTES = rf'(?:\s+{_KEY}\s*=\s*"[^"]*")*'
+# An opener's tag up to its separator; a closer's up to its separator or the next
+# atom; a tag cut off by the end of the output (the start of one).
+_MARKUP = re.compile(
+    rf"{_OPEN}{_NAME}{_ATTRIBUTES}\s*{_SEP}"
+    rf"|{_CLOSE}{_NAME}\s*(?:{_SEP}|(?=(?:{_ATOM})))"
+    rf'|{_OPEN}(?:{_NAME}{_ATTRIBUTES}(?:\s+{_KEY}(?:\s*=\s*(?:"[^"]*)?)?)?\s*)?\Z'
+    rf"|{_CLOSE}(?:{_NAME}\s*)?\Z"
+    rf"|{_ATOM}"
+)
+
+
 def words_of(text: str) -> str:
-    """The output with every recognised marker, and a marker cut off at the end
-    (one that starts with a whole atom), removed."""
-    scanner = MarkerScanner(vocab.REASONING_MARKERS)
-    events = scanner.feed(text) + scanner.finish()
-    atoms = tuple(vocab.ADDED_TOKENS)
-    return "".join(
-        e.text
-        for e in events
-        if type(e) is Text or (type(e) is Cut and not e.text.startswith(atoms))
-    )
+    """The output with every marker (an atom, an element's tag, a tag cut off at
+    the end) removed."""
+    return _MARKUP.sub("", text)
 
 
 def is_subsequence(needle: str, haystack: str) -> bool:

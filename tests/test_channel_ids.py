@@ -36,9 +36,12 @@ ELEMENTS = [
     vocab.ASSISTANT_START,
     vocab.MESSAGE_END,
     vocab.opener("call", 'tool="f" index="1"'),
+    vocab.THINK_END_UNSEPARATED,
 ]
 CALL_OPENER = vocab.opener("call", 'tool="f" index="1"')
-WORDS = ["Hello", " world", ".", "\n", " think", "response", " 42"]
+# Whitespace runs long enough to pass ``vocab.TOOLS_OPENER_MAX_GAP`` after a tools
+# opener; "ing" after an unseparated think closer.
+WORDS = ["Hello", " world", ".", "\n", " think", "ing", "response", " 42", " " * 9]
 
 id_outputs = st.lists(
     st.sampled_from(ELEMENTS) | st.sampled_from(WORDS), max_size=25

@@ -109,26 +109,50 @@ CHANNEL_MARKERS = [
 ]
 
 
+STRAY_ELEMENTS = [
+    (f'{OPEN}json type="object"{SEP}', vocab.JSON_END),
+    (f'{OPEN}argument key="k" type="string"{SEP}', vocab.ARGUMENT_END),
+    (f'{OPEN}note id="1"{SEP}', f"{CLOSE}note{SEP}"),
+    (f"{CLOSE}thinking{SEP}", ""),
+]
+
+
+class Segment(NamedTuple):
+    pieces: list[Piece]
+    stray: bool = False
+    """Elements written outside any call (dropped whole there; inside a call left
+    open they would be a keyless or mixed-form argument, which is dropped)."""
+
+
 @st.composite
 def loose_segment(draw):
     """Text or a channel marker outside any tools channel the grammar opens."""
-    choice = draw(st.integers(0, 5))
+    choice = draw(st.integers(0, 6))
     if choice <= 1:
-        return [text(draw(prose))]
+        return Segment([text(draw(prose))])
     if choice <= 3:
         pieces = [control(draw(st.sampled_from(CHANNEL_MARKERS)))]
         if pieces[0].text == vocab.TOOLS_START:
             pieces.append(text(draw(prose_with_words).lstrip() or "w"))
-        return pieces
+        return Segment(pieces)
     if choice == 4:
         # A lone atom, or an opener that runs into prose (a space right after a lone
         # atom means no tag can start there).
         atom = draw(st.sampled_from(ATOMS))
         tail = draw(st.sampled_from([" then", ' call tool="x" then', " "]))
         if atom == OPEN and draw(st.booleans()):
-            return [control(OPEN), text('call tool="x" and then')]
-        return [control(atom), text(tail)]
-    return draw(tools_channel())
+            return Segment([control(OPEN), text('call tool="x" and then')])
+        if atom == CLOSE and draw(st.booleans()):
+            # A closer's name that runs into words: not a tag.
+            return Segment([control(CLOSE), text("thinking about it")])
+        return Segment([control(atom), text(tail)])
+    if choice == 5:
+        opener, closer = draw(st.sampled_from(STRAY_ELEMENTS))
+        pieces = [control(opener), text(draw(prose))]
+        if closer:
+            pieces.append(control(closer))
+        return Segment(pieces, stray=True)
+    return Segment(draw(tools_channel()))
 
 
 @st.composite
@@ -226,8 +250,12 @@ def tools_channel(draw):
 
 @st.composite
 def outputs(draw):
-    segments = draw(st.lists(loose_segment(), max_size=6))
-    return [piece for segment in segments for piece in segment]
+    pieces: list[Piece] = []
+    for segment in draw(st.lists(loose_segment(), max_size=6)):
+        opened_calls = any(piece.text.startswith(f"{OPEN}call ") for piece in pieces)
+        if not (segment.stray and opened_calls):
+            pieces += segment.pieces
+    return pieces
 
 
 # -- encoding, cutting, reading -----------------------------------------------------
@@ -256,9 +284,9 @@ def build(pieces: list[Piece], cut: int | None) -> Output:
     stopped = cut is None
     end = len(ids) if stopped else min(cut, len(ids))
     for index, (_, start, stop) in enumerate(spans):
-        if start < end < stop and index and spans[index - 1][0].text == OPEN:
-            # Cut inside the words after a lone opener atom, they may be the start
-            # of an element's name (a cut marker, dropped): cut before them.
+        if start < end < stop and index and spans[index - 1][0].text in (OPEN, CLOSE):
+            # Cut inside the words after a lone atom, they may be the start of an
+            # element's tag (a cut marker, dropped): cut before them.
             end = start
     chars = []
     for index, (piece, start, stop) in enumerate(spans):

@@ -193,6 +193,49 @@ def test_6_control_markup_inside_a_value_ends_it():
     ]
 
 
+def test_6_an_element_outside_the_tools_channel_is_dropped_whole():
+    """Its tags are framing (names and attributes included); the text inside stays
+    in the channel it was written in."""
+    block = (
+        Control(f'{OPEN}json type="object"{SEP}'),
+        '{"a": 1}',
+        Control(vocab.JSON_END),
+    )
+    reading, _ = read(RESPONSE, "Here:", *block, " done.", END)
+    assert reading.content == 'Here:{"a": 1} done.'
+    reading, _ = read(
+        THINK,
+        "Plan:",
+        argument("path"),
+        "/srv",
+        Control(vocab.ARGUMENT_END + f'{OPEN}note id="1"{SEP}'),
+        " then",
+        Control(f"{CLOSE}note{SEP}" + vocab.THINK_END),
+        "Yes.",
+        END,
+    )
+    assert (reading.reasoning, reading.content) == ("Plan:/srv then", "Yes.")
+
+
+def test_6_the_unseparated_think_exit_needs_the_next_element():
+    """``<|close|>think`` with no separator ends the think channel only when the
+    next element follows it; words after it are the thought's own."""
+    reading, _ = read(THINK, "Hm", Control(CLOSE), "thinking about it.", stopped=False)
+    assert (reading.reasoning, reading.content) == ("Hmthinking about it.", "")
+    reading, _ = read(
+        THINK,
+        "Hm",
+        Control(vocab.THINK_END_UNSEPARATED + vocab.RESPONSE_START),
+        "Yes.",
+        END,
+    )
+    assert (reading.reasoning, reading.content) == ("Hm", "Yes.")
+    reading, _ = read(
+        THINK, "Hm", Control(f"{CLOSE}thinking{SEP}"), " more.", stopped=False
+    )
+    assert (reading.reasoning, reading.content) == ("Hm more.", "")
+
+
 def test_9_the_stop_token_text_never_closes_a_call():
     """With ``include_stop_str_in_output`` vLLM keeps the stop token's text; the call
     is still cut there, as it is when the text is dropped."""

@@ -20,7 +20,7 @@ from vllm_k3_plugin.replay import (
     replay,
     whole,
 )
-from vllm_k3_plugin.shapes import SHAPES
+from vllm_k3_plugin.shapes import SHAPES, output_ids
 
 # The built-in corpus's replies vLLM's in-tree parser loses and ours recovers.
 LOST_BY_VLLM = {
@@ -118,6 +118,17 @@ def test_replay_reads_every_shape_like_the_reader():
     skipped = Output("x", SHAPES["skipped-channel"].output, "stop", True)
     read = read_output(skipped, whole(skipped))
     assert read.replayed and read.content == read.reasoning
+
+
+def test_an_output_ended_by_a_stop_string_reads_the_same_streamed():
+    """vLLM drops a stop string's text but keeps its tokens' ids: the streamed
+    reads stop where the recorded text does."""
+    text = "Thinking." + vocab.THINK_END + vocab.RESPONSE_START + "Yes. DONE and more"
+    recorded = text[: text.index(" DONE")]
+    output = Output("s", recorded, "stop", True, output_ids(text, stop=False))
+    summary = replay([output])
+    assert summary.ours_split == []
+    assert read_output(output, whole(output)).content == "Yes."
 
 
 def test_replay_counts_what_the_contract_reads():

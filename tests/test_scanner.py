@@ -56,8 +56,8 @@ def test_whole_feed_finds_leftmost_longest():
         Text("a"),
         Marker(vocab.THINK_END),
         Text("b"),
-        Marker(vocab.THINK_END_UNSEPARATED),
-        Text("c"),
+        Marker(vocab.CLOSE),
+        Text("thinkc"),
         # A bare atom at the very end could still have grown into an element: cut.
         Cut(vocab.CLOSE),
     ]

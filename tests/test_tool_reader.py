@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given
@@ -11,7 +12,6 @@ from hypothesis import strategies as st
 from tests.k3_ids import Control, encode, id_atoms, token_chunks
 from vllm_k3_plugin import vocab
 from vllm_k3_plugin.tool_reader import (
-    MAX_TAG_CHARS,
     ArgumentsDelta,
     CallClosed,
     CallOpened,
@@ -25,6 +25,8 @@ from vllm_k3_plugin.tool_reader import (
     typed_value_json,
 )
 from vllm_k3_plugin.xtml import (
+    MAX_TAG_CHARS,
+    TagText,
     escape_attribute,
     parse_tag,
     render_call,
@@ -89,6 +91,49 @@ def test_attribute_unescape_order_is_quot_then_amp():
     # "&amp;quot;" is an escaped "&quot;" (the literal text), not a quote.
     assert unescape_attribute("&amp;quot;") == "&quot;"
     assert unescape_attribute("a&quot;b&amp;c") == 'a"b&c'
+
+
+# The tag grammar, written apart from ``TagText``: a whole tag, and what may still
+# grow into one.
+_NAME = r"[A-Za-z_][\w.:-]*"
+_KEY = r"[A-Za-z_][\w.-]*"
+_WHOLE = {
+    True: re.compile(rf'{_NAME}(?:\s+{_KEY}\s*=\s*"[^"]*")*\s*').fullmatch,
+    False: re.compile(rf"{_NAME}\s*").fullmatch,
+}
+_PREFIX = {
+    True: re.compile(
+        rf'(?:{_NAME}(?:\s+{_KEY}\s*=\s*"[^"]*")*'
+        rf'(?:\s+{_KEY}(?:\s*=\s*(?:"[^"]*)?)?)?\s*)?'
+    ).fullmatch,
+    False: re.compile(rf"(?:{_NAME}\s*)?").fullmatch,
+}
+
+
+@given(
+    st.text(alphabet='ab_ =."\n1é-:', max_size=14),
+    st.booleans(),
+    st.lists(st.integers(1, 4), max_size=14),
+)
+def test_tag_text_reads_the_tag_grammar_in_any_chunking(text, opener, sizes):
+    tag = TagText(opener=opener)
+    at, may_grow = 0, True
+    for size in [*sizes, len(text)]:
+        if at >= len(text):
+            break
+        may_grow = tag.add(text[at : at + size])
+        at += size
+        assert may_grow == (_PREFIX[opener](text[:at]) is not None)
+        if not may_grow:
+            return
+    assert tag.complete == (_WHOLE[opener](text) is not None)
+    assert tag.text == text
+
+
+def test_a_tag_longer_than_the_bound_is_no_tag():
+    tag = TagText(opener=True)
+    assert tag.add('argument key="' + "v" * (MAX_TAG_CHARS - 20))
+    assert not tag.add("v" * 64)
 
 
 def test_parse_tag_reads_name_and_attributes():

@@ -29,13 +29,9 @@ Decode = Callable[[Sequence[int]], str]
 MAX_NAME_IDS = 4
 _LOOKBACK = MAX_NAME_IDS + 1
 
-
-# Whitespace tokens between a tools opener and the call opener that decides it, at
-# most (a longer run is read as the opener being quoted only by the reader's text).
-_MAX_SPACE_IDS = 8
-_CALL = "call"
-# Ids a streaming step looks back to find a tools opener its delta decides.
-_LOOKBACK_DECISION = _MAX_SPACE_IDS + 2 * _LOOKBACK
+# Ids a streaming step looks back to find a tools opener its delta decides (a
+# whitespace id is at least one character of the gap).
+_LOOKBACK_DECISION = vocab.TOOLS_OPENER_MAX_GAP + 2 * _LOOKBACK
 
 
 class Boundary(enum.Enum):
@@ -49,17 +45,17 @@ class Boundary(enum.Enum):
 def _classify(opener: int, name: str, terminator: int) -> Boundary:
     if terminator == SEP_ID:
         if opener == OPEN_ID:
-            if name == "think":
+            if name == vocab.THINK:
                 return Boundary.THINK_OPENED
-            if name == "response":
+            if name == vocab.RESPONSE:
                 return Boundary.RESPONSE_OPENED
-            if name == "tools":
+            if name == vocab.TOOLS:
                 return Boundary.TOOLS_OPENED
-        elif name == "think":
+        elif name == vocab.THINK:
             return Boundary.THINK_ENDED
         return Boundary.OTHER
     # ``<|close|>think`` directly followed by another element: the lenient exit.
-    if opener == CLOSE_ID and name == "think":
+    if opener == CLOSE_ID and name == vocab.THINK:
         return Boundary.THINK_ENDED
     return Boundary.OTHER
 
@@ -110,9 +106,11 @@ def _tools_decided_at(ids: Sequence[int], start: int, decode: Decode) -> int | N
     """After a tools opener ending before ``start``: the index of the id that shows
     a call opener follows (whitespace aside), ``-1`` if something else follows, or
     ``None`` while the ids so far leave it open."""
-    at = start
+    at, gap = start, 0
     while at < len(ids) and ids[at] < vocab.BPE_RANK_COUNT:
-        if at - start >= _MAX_SPACE_IDS or not decode(ids[at : at + 1]).isspace():
+        space = decode(ids[at : at + 1])
+        gap += len(space)
+        if gap > vocab.TOOLS_OPENER_MAX_GAP or not space.isspace():
             return -1
         at += 1
     if at == len(ids):
@@ -121,13 +119,13 @@ def _tools_decided_at(ids: Sequence[int], start: int, decode: Decode) -> int | N
         return -1
     for end in range(at + 1, min(len(ids), at + 2 + _LOOKBACK)):
         if ids[end] == SEP_ID:
-            return end if decode(ids[at + 1 : end]) == _CALL else -1
+            return end if decode(ids[at + 1 : end]) == vocab.CALL else -1
         if ids[end] >= vocab.BPE_RANK_COUNT:
             return -1
         name = decode(ids[at + 1 : end + 1])
-        if name.startswith(_CALL + " "):
+        if name.startswith(vocab.CALL + " "):
             return end
-        if not _CALL.startswith(name) and name != _CALL:
+        if not vocab.CALL.startswith(name) and name != vocab.CALL:
             return -1
     return None if len(ids) < at + 2 + _LOOKBACK else -1
 

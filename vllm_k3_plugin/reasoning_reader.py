@@ -12,13 +12,21 @@ Channels and how they end:
 
 - The think channel ends at its closer, at a model-opened response, or at a tools
   channel: a tools opener followed, whitespace aside, by a call opener. A tools
-  opener followed by anything else is quoted and dropped. Bound: the opener and the
-  whitespace after it wait for the next marker or word.
+  opener followed by anything else (more than ``vocab.TOOLS_OPENER_MAX_GAP``
+  whitespace characters included) is quoted and dropped. Bound: the opener and the
+  whitespace after it wait for the next marker or word, or that many characters.
 - A think channel a tools channel interrupted goes on after that channel closes; a
   think block opened later (in the reply, in the tools channel) is reasoning until
   its exit, joined to the rest in order.
 - The tools channel is handed to the tool-call reader raw (``ToolMarkup``, marked),
   from its opener to its closer.
+- Outside it, tags are read as the tool-call reader reads them: a control opener or
+  closer, a tag (``xtml.TagText``), a separator. A complete tag is the marker its
+  element spells, or dropped whole (an ``argument`` or ``json`` element outside a
+  call, an unknown element); a closer the next atom interrupts is complete without
+  its separator (``<|close|>think`` then the next channel); text that stops reading
+  as a tag is text where it stands, its atom dropped. Bound: a tag is held at most
+  ``xtml.MAX_TAG_CHARS``.
 
 Invariants:
 
@@ -40,6 +48,7 @@ from typing import NamedTuple
 from vllm_k3_plugin import marked as m
 from vllm_k3_plugin import vocab
 from vllm_k3_plugin.scanner import MarkerScanner
+from vllm_k3_plugin.xtml import TagText
 
 
 class Reasoning(NamedTuple):
@@ -98,9 +107,22 @@ MARKERS = (
     *m.marked_all(vocab.REASONING_MARKERS),
     CALL_START_BARE,
 )
-# Markers that change the state; all other framing there is dropped.
-_THINK_STATE_MARKERS = _THINK_EXITS | {TOOLS_START, RESPONSE_END, CALL_START}
-_RESPONSE_STATE_MARKERS = _CALL_STARTS | {TOOLS_START, THINK_START}
+# Markers that change the state (an opener or closer atom starts a tag); all other
+# framing there is dropped.
+_TAG_ATOMS = frozenset({m.OPEN, m.CLOSE})
+_THINK_STATE_MARKERS = (
+    _THINK_EXITS | _TAG_ATOMS | {TOOLS_START, RESPONSE_END, CALL_START}
+)
+_RESPONSE_STATE_MARKERS = _CALL_STARTS | _TAG_ATOMS | {TOOLS_START, THINK_START}
+# Complete tags read as the channel markers they spell: (is an opener, name).
+_TAG_MARKERS = {
+    (True, vocab.THINK): THINK_START,
+    (False, vocab.THINK): THINK_END,
+    (True, vocab.RESPONSE): RESPONSE_START,
+    (False, vocab.RESPONSE): RESPONSE_END,
+    (True, vocab.TOOLS): TOOLS_START,
+    (False, vocab.TOOLS): TOOLS_END,
+}
 
 
 class ReasoningReader:
@@ -123,6 +145,7 @@ class ReasoningReader:
         "_run",
         "_run_kind",
         "_scanner",
+        "_tag",
         "_tools_held",
         "think_blocks",
     )
@@ -150,6 +173,8 @@ class ReasoningReader:
         # A tools opener and the whitespace after it, undecided until the next
         # marker (a call opener: a tools channel) or word (quoted).
         self._tools_held: list[str] | None = None
+        # A tag after an opener or closer atom, outside the tools channel.
+        self._tag: TagText | None = None
         # After an answer closer in the think channel: the closer, whitespace and
         # framing that followed it, undecided until words, an exit or the end come.
         self._closer_pending = False
@@ -185,13 +210,7 @@ class ReasoningReader:
         if self._channel is Channel.DONE:
             raise RuntimeError("feed() after finish()")
         self._events = events = []
-        parts = self._scanner.feed_parts(self._atoms.mark(text, ids))
-        if len(parts) == 1:
-            # The usual streaming step: text and no marker.
-            if parts[0]:
-                self._on_text(parts[0])
-        elif parts:
-            self._read(parts)
+        self._scan(self._atoms.mark(text, ids))
         self._flush()
         self._events = []  # the caller's now: hold no reference to its text
         return events
@@ -207,6 +226,7 @@ class ReasoningReader:
         # A marker cut off at the end is not a marker: it starts with a control
         # atom, and is dropped wherever it stands.
         self._scanner.finish()
+        self._tag = None  # a tag cut off: a cut marker too
         if self._tools_held is not None:
             self._quote_tools_opener()
         if self._channel is Channel.THINK and self._block_origin is None:
@@ -240,6 +260,10 @@ class ReasoningReader:
                 self._on_text(parts[0])
         else:
             self._read(parts)
+        if self._tag is not None and self._scanner.held[:1] in _TAG_ATOMS:
+            # The next atom arrived, held as the start of a longer marker: the tag
+            # ends before it whatever that marker turns out to be.
+            self._end_tag(at_separator=False)
 
     def _read(self, parts: list[str]) -> None:
         """Dispatch the scanner's parts: text at even indices, markers at odd."""
@@ -268,7 +292,7 @@ class ReasoningReader:
 
     def _state_markers(self) -> frozenset[str] | None:
         """The markers that matter now, if all others are dropped; else ``None``."""
-        if self._tools_held is not None:
+        if self._tools_held is not None or self._tag is not None:
             return None
         if self._channel is Channel.THINK and not self._closer_pending:
             return _THINK_STATE_MARKERS
@@ -277,11 +301,19 @@ class ReasoningReader:
         return None
 
     def _on_text(self, text: str) -> None:
+        if self._tag is not None:
+            if not self._tag.add(text):
+                self._end_tag(at_separator=False)
+            return
         if self._tools_held is not None:
             if text.isspace():
                 self._tools_held.append(text)
-                return
+                gap = sum(map(len, self._tools_held[1:]))
+                if gap <= vocab.TOOLS_OPENER_MAX_GAP:
+                    return
             self._quote_tools_opener()
+            if text.isspace():
+                return
         channel = self._channel
         if channel is Channel.THINK:
             self._think_text(text)
@@ -292,6 +324,10 @@ class ReasoningReader:
             self._push(ToolMarkup, text)
 
     def _on_marker(self, marker: str) -> None:
+        if self._tag is not None:
+            self._end_tag(at_separator=marker == m.SEP)
+            if marker == m.SEP:
+                return
         if self._tools_held is not None:
             if marker in _CALL_STARTS:
                 held, self._tools_held = self._tools_held, None
@@ -305,6 +341,34 @@ class ReasoningReader:
             self._response_marker(marker)
         else:
             self._tools_marker(marker)
+
+    # -- tags outside the tools channel ------------------------------------------
+
+    def _start_tag(self, marker: str) -> None:
+        self._at_offset_zero = False
+        if marker == CALL_START:
+            self._tag = TagText(opener=True)
+            self._tag.add(marker[1:])
+        else:
+            self._tag = TagText(opener=marker == m.OPEN)
+
+    def _end_tag(self, *, at_separator: bool) -> None:
+        """The next atom came, or the text stopped reading as a tag: the marker its
+        element spells, an element dropped whole, or text where it stands (its atom
+        dropped)."""
+        tag, self._tag = self._tag, None
+        if not tag.ends_whole(at_separator=at_separator):
+            if tag.text:
+                self._on_text(tag.text)
+            return
+        text = tag.text
+        name = text.split(None, 1)[0]
+        marker = _TAG_MARKERS.get((tag.opener, name))
+        if marker is not None:
+            self._on_marker(marker)
+        elif tag.opener and name == vocab.CALL and self._channel is Channel.RESPONSE:
+            self._enter_tools(m.OPEN + text + m.SEP)
+        # Any other element opens nothing outside a tools channel: dropped whole.
 
     # -- tools openers (rule 3) ---------------------------------------------------
 
@@ -390,9 +454,8 @@ class ReasoningReader:
             self._at_offset_zero = False
             self._closer_pending = True
             self._after_closer.append(marker)
-        elif marker == CALL_START:
-            # The start of an opener, not one: its atom is dropped, its words stay.
-            self._think_text(marker[1:])
+        elif marker in _TAG_ATOMS or marker == CALL_START:
+            self._start_tag(marker)
         # Other framing inside a think channel is dropped.
 
     def _emit_reasoning(self, text: str, *, quoted_marker: bool = False) -> None:
@@ -440,6 +503,8 @@ class ReasoningReader:
                 self._kept = _KeptText()
             else:
                 self._open_block(Channel.RESPONSE)
+        elif marker in _TAG_ATOMS:
+            self._start_tag(marker)
         # The think exit at offset 0 means "declined to think"; it and all other
         # framing are dropped from content.
 

@@ -138,7 +138,7 @@ def chunkings(output: Output, seed: int) -> Iterator[list[Chunk]]:
             steps.append([1] * len(ids))
         steps.append([rng.randint(1, 16) for _ in range(len(ids))])
         for sizes in steps:
-            yield detokenized(ids, sizes, stop_dropped)
+            yield _held_back(detokenized(ids, sizes, stop_dropped), output.text)
         return
     text = output.text
     yield [Chunk(text[i : i + 64], None) for i in range(0, len(text), 64)]
@@ -147,6 +147,20 @@ def chunkings(output: Output, seed: int) -> Iterator[list[Chunk]]:
     if len(text) > 1:
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, 31)))
         yield [Chunk(text[a:b], None) for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def _held_back(chunks: list[Chunk], text: str) -> list[Chunk]:
+    """``chunks`` as a stop string leaves them: when the recorded text is a proper
+    prefix of what the ids decode to (vLLM dropped the stop string and the text
+    after it; the ids keep its tokens), the text past it never streams."""
+    decoded = "".join(chunk.text for chunk in chunks)
+    if decoded == text or not decoded.startswith(text):
+        return chunks
+    budget, held = len(text), []
+    for chunk in chunks:
+        held.append(Chunk(chunk.text[:budget], chunk.ids))
+        budget -= len(held[-1].text)
+    return held
 
 
 def detokenized(ids: list[int], sizes: list[int], stop_dropped: bool) -> list[Chunk]:

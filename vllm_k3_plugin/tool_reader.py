@@ -11,7 +11,8 @@ Elements are read generically: a control ``<|open|>`` or ``<|close|>``, a tag, a
 ``<|sep|>``. A tag is held until its separator; it is *not* a tag (its atom is
 dropped, its text is text where it stands) when its text stops reading as a tag
 (``NAME key="value" ...`` for an opener, ``NAME`` for a closer), when it passes
-``MAX_TAG_CHARS``, or when another atom interrupts an opener. A closer interrupted
+``xtml.MAX_TAG_CHARS``, when another atom interrupts an opener, or when its
+separator comes before its last attribute is whole. A closer interrupted
 by the next atom is complete without its separator (seen in the wild).
 
 Reading rules:
@@ -40,7 +41,7 @@ Reading rules:
 - Text outside calls (between calls, after the last) is ``Prose``, with its own
   whitespace; a run of whitespace alone between elements is framing.
 
-Memory: a typed value (until its closer), a tag (at most ``MAX_TAG_CHARS``) and a
+Memory: a typed value (until its closer), a tag (at most ``xtml.MAX_TAG_CHARS``) and a
 run of whitespace between elements.
 """
 
@@ -54,9 +55,7 @@ from typing import NamedTuple
 
 from vllm_k3_plugin import marked as m
 from vllm_k3_plugin import vocab
-from vllm_k3_plugin.xtml import parse_tag
-
-MAX_TAG_CHARS = 16_384
+from vllm_k3_plugin.xtml import TagText, parse_tag
 
 
 class CallOpened(NamedTuple):
@@ -137,17 +136,10 @@ class _Args(enum.Enum):
 
 _ELEMENT_ENDS = {vocab.ARGUMENT: vocab.ARGUMENT, vocab.JSON_BLOCK: vocab.JSON_BLOCK}
 # Elements a call sits inside of, or beside: their openers and closers end a call.
-_OUTSIDE_CALLS = frozenset({vocab.CALL, "tools", "think", "response", "message"})
+_OUTSIDE_CALLS = frozenset(
+    {vocab.CALL, vocab.TOOLS, vocab.THINK, vocab.RESPONSE, vocab.MESSAGE}
+)
 _SPLIT = re.compile("([" + "".join(sorted(m.MARKS)) + "])").split
-_NAME = r"[A-Za-z_][\w.:-]*"
-_KEY = r"[A-Za-z_][\w.-]*"
-# What a tag's text may be while it is read: a name right after the atom, then
-# ``key="value"`` attributes (an opener) or nothing (a closer), then whitespace.
-_OPENER_PREFIX = re.compile(
-    rf'(?:{_NAME}(?:\s+{_KEY}\s*=\s*"[^"]*")*'
-    rf'(?:\s+{_KEY}(?:\s*=\s*(?:"[^"]*)?)?)?\s*)?'
-).fullmatch
-_CLOSER_PREFIX = re.compile(rf"(?:{_NAME}\s*)?").fullmatch
 
 
 def _json_text(value: object) -> str:
@@ -193,8 +185,6 @@ class ToolCallReader:
         "_space",
         "_state",
         "_tag",
-        "_tag_chars",
-        "_tag_kind",
         "_typed",
         "_value",
         "_value_end",
@@ -214,10 +204,8 @@ class ToolCallReader:
         self._value_end = vocab.ARGUMENT
         self._skip_return = _State.CALL
         self._typed: list[str] = []
-        # A tag being read: its atom (``marked.OPEN`` or ``CLOSE``) and text.
-        self._tag_kind: str | None = None
-        self._tag: list[str] = []
-        self._tag_chars = 0
+        # A tag being read, after its atom.
+        self._tag: TagText | None = None
         # Between elements: whitespace held until words show it is prose, and
         # whether the current run between two elements has words.
         self._space: list[str] = []
@@ -242,8 +230,7 @@ class ToolCallReader:
             return []
         self._events = events = []
         self._read(self._atoms.finish())
-        if self._tag_kind is not None:
-            self._tag_kind, self._tag = None, []
+        self._tag = None  # a cut marker
         if self._state is _State.VALUE and self._value is _Value.TYPED:
             raw, self._typed = "".join(self._typed), []
             self._emit(raw)
@@ -290,25 +277,20 @@ class ToolCallReader:
                 self._text(piece)
 
     def _atom(self, mark: str) -> None:
-        if self._tag_kind is not None:
+        if self._tag is not None:
+            self._end_tag(at_separator=mark == m.SEP)
             if mark == m.SEP:
-                self._tag_done()
                 return
-            self._tag_interrupted()
         if mark == m.OPEN or mark == m.CLOSE:
-            self._tag_kind = mark
-            self._tag = []
-            self._tag_chars = 0
+            self._tag = TagText(opener=mark == m.OPEN)
         # A separator with no tag before it is framing: dropped. So is the stop
         # token's text (vLLM keeps it with ``include_stop_str_in_output``): the
         # output ends there, and a call still open is cut, never closed by it.
 
     def _text(self, text: str) -> None:
-        if self._tag_kind is not None:
-            self._tag.append(text)
-            self._tag_chars += len(text)
-            if self._tag_chars > MAX_TAG_CHARS or not self._tag_so_far_valid():
-                self._not_a_tag()
+        if self._tag is not None:
+            if not self._tag.add(text):
+                self._end_tag(at_separator=False)
             return
         state = self._state
         if state is _State.VALUE:
@@ -343,35 +325,20 @@ class ToolCallReader:
 
     # -- tags ---------------------------------------------------------------------
 
-    def _tag_so_far_valid(self) -> bool:
-        text = "".join(self._tag)
-        if self._tag_kind == m.OPEN:
-            return _OPENER_PREFIX(text) is not None
-        return _CLOSER_PREFIX(text) is not None
-
-    def _tag_interrupted(self) -> None:
-        """Another atom before the separator: a closer is complete without it, an
-        opener never completed."""
-        if self._tag_kind == m.CLOSE and "".join(self._tag).strip():
-            self._tag_done()
-        else:
-            self._not_a_tag()
-
-    def _not_a_tag(self) -> None:
-        kind, text = self._tag_kind, "".join(self._tag)
-        self._tag_kind, self._tag = None, []
-        if kind == m.OPEN:
+    def _end_tag(self, *, at_separator: bool) -> None:
+        """The next atom came, or the text stopped reading as a tag: an element's
+        tag, or no tag (its atom dropped, its text where it stands)."""
+        tag, self._tag = self._tag, None
+        if tag.ends_whole(at_separator=at_separator):
+            if tag.opener:
+                self._on_opener(tag.text)
+            else:
+                self._on_closer(tag.text.strip())
+            return
+        if tag.opener:
             self._drop("an opener that never completed", self._call)
-        if text:
-            self._text(text)
-
-    def _tag_done(self) -> None:
-        kind, text = self._tag_kind, "".join(self._tag)
-        self._tag_kind, self._tag = None, []
-        if kind == m.OPEN:
-            self._on_opener(text)
-        else:
-            self._on_closer(text.strip())
+        if tag.text:
+            self._text(tag.text)
 
     def _on_opener(self, tag: str) -> None:
         self._element_boundary()

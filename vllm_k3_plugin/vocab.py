@@ -30,31 +30,37 @@ def closer(name: str) -> str:
     return f"{CLOSE}{name}{SEP}"
 
 
-THINK_START = opener("think")
-THINK_END = closer("think")
-# Seen in the wild: the think closer without its separator, then the next channel.
-THINK_END_UNSEPARATED = f"{CLOSE}think"
-RESPONSE_START = opener("response")
-RESPONSE_END = closer("response")
-TOOLS_START = opener("tools")
-TOOLS_END = closer("tools")
-CALL_END = closer("call")
-# Seen in the wild: the call closer without its separator.
-CALL_END_UNSEPARATED = f"{CLOSE}call"
-ARGUMENT_END = closer("argument")
-# A call opener written in the reply without the tools channel around it (its
-# attributes follow the space): read as the start of a tools channel.
-CALL_START_UNWRAPPED = f"{OPEN}call "
-JSON_END = closer("json")
-ASSISTANT_START = opener("message", 'role="assistant"')
-MESSAGE_END = closer("message")
-
-# Element names inside the tools channel: ``call tool= index=`` holds ``argument
-# key= type=`` elements or one ``json type="object"`` block.
+# Element names: the channels and the message around them; inside the tools channel,
+# ``call tool= index=`` holds ``argument key= type=`` elements or one
+# ``json type="object"`` block.
+THINK = "think"
+RESPONSE = "response"
+TOOLS = "tools"
+MESSAGE = "message"
 CALL = "call"
 ARGUMENT = "argument"
 JSON_BLOCK = "json"
 STRING_TYPE = "string"
+
+THINK_START = opener(THINK)
+THINK_END = closer(THINK)
+# Seen in the wild: the think closer without its separator, then the next channel
+# (read as a closer the next atom completes).
+THINK_END_UNSEPARATED = CLOSE + THINK
+RESPONSE_START = opener(RESPONSE)
+RESPONSE_END = closer(RESPONSE)
+TOOLS_START = opener(TOOLS)
+TOOLS_END = closer(TOOLS)
+CALL_END = closer(CALL)
+# Seen in the wild: the call closer without its separator.
+CALL_END_UNSEPARATED = CLOSE + CALL
+ARGUMENT_END = closer(ARGUMENT)
+# A call opener written in the reply without the tools channel around it (its
+# attributes follow the space): read as the start of a tools channel.
+CALL_START_UNWRAPPED = f"{OPEN}{CALL} "
+JSON_END = closer(JSON_BLOCK)
+ASSISTANT_START = opener(MESSAGE, 'role="assistant"')
+MESSAGE_END = closer(MESSAGE)
 # Attribute values are escaped ``&`` first, then ``"``; unescaped in reverse.
 ATTRIBUTE_ESCAPES = (("&", "&amp;"), ('"', "&quot;"))
 
@@ -94,7 +100,10 @@ SPECIAL_TOKENS: dict[str, int] = {
 MODEL_STOP_IDS = frozenset({END_OF_MSG_ID, EOS_ID, EOT_ID})
 
 # Markers that end the think channel: the model answered in its own channel.
-THINK_EXITS = (THINK_END, THINK_END_UNSEPARATED, RESPONSE_START)
+THINK_EXITS = (THINK_END, RESPONSE_START)
+# A tools opener in the think channel is decided by what follows it, whitespace
+# aside; more whitespace than this (in characters) means it was quoted.
+TOOLS_OPENER_MAX_GAP = 16
 
 # Framing: structure that never reaches content, and reaches reasoning only as quoted
 # text. Longest forms first so a bare atom never shadows the element it begins.
@@ -120,7 +129,6 @@ ATOM_BREAK = "\u200b"
 # Every marker the reasoning reader distinguishes.
 REASONING_MARKERS = (
     THINK_END,
-    THINK_END_UNSEPARATED,
     RESPONSE_START,
     RESPONSE_END,
     TOOLS_START,
