@@ -119,9 +119,6 @@ STRAY_ELEMENTS = [
 
 class Segment(NamedTuple):
     pieces: list[Piece]
-    stray: bool = False
-    """Elements written outside any call (dropped whole there; inside a call left
-    open they would be a keyless or mixed-form argument, which is dropped)."""
 
 
 @st.composite
@@ -151,7 +148,7 @@ def loose_segment(draw):
         pieces = [control(opener), text(draw(prose))]
         if closer:
             pieces.append(control(closer))
-        return Segment(pieces, stray=True)
+        return Segment(pieces)
     return Segment(draw(tools_channel()))
 
 
@@ -167,7 +164,6 @@ def value_element(draw):
                 text(raw),
                 control(vocab.JSON_END),
             ],
-            True,
             True,
         )
     if kind == "number":
@@ -199,7 +195,7 @@ def value_element(draw):
         closed = pieces[-1].text != SEP  # a lone separator is dropped, not an end
     elif closed:
         pieces.append(control(vocab.ARGUMENT_END))
-    return pieces, False, closed
+    return pieces, closed
 
 
 @st.composite
@@ -210,12 +206,10 @@ def call(draw, number):
     ]
     if draw(st.booleans()):
         pieces.append(framing(draw(spaces)))
+    # Argument elements, json blocks, or both mixed (the openers that mix them are
+    # dropped, their text is content).
     elements = draw(st.lists(value_element(), max_size=3))
-    # A call's arguments are elements or one json block (mixing them is dropped).
-    blocks = [element for element in elements if element[1]]
-    if blocks:
-        elements = blocks[:1]
-    for element, _, closed in elements:
+    for element, closed in elements:
         pieces += element
         # Whitespace after a value still open is the value's text: none there.
         if closed and draw(st.booleans()):
@@ -250,12 +244,8 @@ def tools_channel(draw):
 
 @st.composite
 def outputs(draw):
-    pieces: list[Piece] = []
-    for segment in draw(st.lists(loose_segment(), max_size=6)):
-        opened_calls = any(piece.text.startswith(f"{OPEN}call ") for piece in pieces)
-        if not (segment.stray and opened_calls):
-            pieces += segment.pieces
-    return pieces
+    segments = draw(st.lists(loose_segment(), max_size=6))
+    return [piece for segment in segments for piece in segment.pieces]
 
 
 # -- encoding, cutting, reading -----------------------------------------------------

@@ -344,19 +344,21 @@ def test_stop_token_spelling_inside_a_typed_value_is_text():
     assert json.loads(call.arguments) == {"o": json.loads(value)}
 
 
-def test_argument_without_key_and_mixed_forms_are_dropped():
+def test_argument_without_key_and_mixed_forms_open_nothing_their_text_is_prose():
     json_block = f'{OPEN}json type="object"{SEP}{{"z": 1}}{vocab.JSON_END}'
     markup = _tools(
-        _call("f", f'{OPEN}argument type="string"{SEP}lost{vocab.ARGUMENT_END}'),
+        _call("f", f'{OPEN}argument type="string"{SEP}kept{vocab.ARGUMENT_END}'),
         _call("g", _arg("a", "number", "1") + json_block, index=2),
-        _call("h", json_block + _arg("a", "number", "1"), index=3),
+        _call("h", json_block + _arg("a", "number", "2"), index=3),
     )
-    calls, dropped = read_calls(markup)
+    read = read_tools(markup)
+    calls, dropped = read.calls, read.dropped
     assert [(c.name, c.arguments) for c in calls] == [
         ("f", "{}"),
         ("g", '{"a": 1}'),
         ("h", '{"z": 1}'),
     ]
+    assert read.prose == 'kept{"z": 1}2'
     assert [d.reason for d in dropped] == [
         "an argument without a key",
         "a json block after other arguments",

@@ -29,7 +29,8 @@ Reading rules:
   JSON, sent re-serialized when its element closes, or as a JSON string of the raw
   text when it is not valid JSON. A repeated key is written again (a JSON reader
   keeps the last). A ``json`` block is the arguments text itself, streamed verbatim.
-  An argument with no ``key``, or an element mixing the two forms, is dropped.
+  The opener of an argument with no ``key``, or of an element mixing the two forms,
+  is dropped; its text is prose.
 - A value ends at its own closer, and at any other control closer or opener: a
   closer of an element outside the call (and any opener but an argument's or a json
   block's) ends the call too, its missing closer recovered. A stray separator is
@@ -417,14 +418,14 @@ class ToolCallReader:
     # -- values -------------------------------------------------------------------
 
     def _open_argument(self, attributes: dict[str, str]) -> None:
+        # An opener that opens no value is dropped; the value's text is then text
+        # of the call outside any value: prose.
         key = attributes.get("key")
         if key is None:
             self._drop("an argument without a key", self._call)
-            self._skip_value(vocab.ARGUMENT)
             return
         if self._args is _Args.JSON_BLOCK:
             self._drop("an argument after a json block", self._call)
-            self._skip_value(vocab.ARGUMENT)
             return
         prefix = ", " if self._args_started else "{"
         self._args = _Args.ELEMENTS
@@ -443,7 +444,6 @@ class ToolCallReader:
     def _open_json_block(self) -> None:
         if self._args is not _Args.NONE:
             self._drop("a json block after other arguments", self._call)
-            self._skip_value(vocab.JSON_BLOCK)
             return
         self._args = _Args.JSON_BLOCK
         self._value = _Value.RAW
