@@ -23,8 +23,8 @@ import random
 import sys
 import tracemalloc
 
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.reasoning_reader import Channel, ReasoningReader, ReplayPolicy
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.reasoning import Channel, ReasoningReader, ReplayPolicy
 
 WORDS = [
     "the",

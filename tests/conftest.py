@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from hypothesis import HealthCheck, settings
 
-from vllm_k3_plugin.reasoning_reader import (
+from vllm_k3_plugin.format.reasoning import (
     Reading,
     ReasoningReader,
     ReplayPolicy,

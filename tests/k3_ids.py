@@ -12,7 +12,7 @@ import codecs
 import functools
 from typing import NamedTuple
 
-from vllm_k3_plugin import marked, vocab
+from vllm_k3_plugin.format import marked, vocab
 from vllm_k3_plugin.tokenizer import load_tiktoken_encoding
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.model.torch_model import SequenceState
 
 # fp32 server against the fp32 reference: the two differ by summation order only,

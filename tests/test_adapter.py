@@ -20,14 +20,15 @@ from vllm.parser.parser_manager import ParserManager
 from vllm.reasoning import ReasoningParserManager
 
 import vllm_k3_plugin
-from vllm_k3_plugin import compare, vocab
-from vllm_k3_plugin.reasoning_reader import read_whole
+from vllm_k3_plugin import compare
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.reasoning import read_whole
+from vllm_k3_plugin.format.vocab import RESPONSE_END
 from vllm_k3_plugin.vllm_adapter.parser import K3Parser
 from vllm_k3_plugin.vllm_adapter.reasoning_parser import (
     K3ReasoningParser,
 )
 from vllm_k3_plugin.vllm_adapter.request_state import start_channel
-from vllm_k3_plugin.vocab import RESPONSE_END
 
 ELEMENTS = [
     vocab.THINK_END,

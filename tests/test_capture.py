@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from vllm_k3_plugin import cli, vocab
+from vllm_k3_plugin import cli
 from vllm_k3_plugin.capture import CaptureError, done_ids, read_requests
+from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.shapes import SHAPES, TOOLS
 
 pytestmark = pytest.mark.server

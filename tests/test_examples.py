@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.xtml import render_tools
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.xtml import render_tools
 
 pytestmark = pytest.mark.server
 

@@ -19,10 +19,19 @@ from jsonschema import Draft202012Validator
 
 from tests import kvv
 from tests.k3_ids import marked_rendering
-from vllm_k3_plugin import marked, vocab
-from vllm_k3_plugin.reasoning_reader import Channel, ReasoningReader, ToolMarkup
-from vllm_k3_plugin.tool_reader import ToolCallReader, collect_calls
-from vllm_k3_plugin.xtml import render_tools
+from vllm_k3_plugin.format import marked, vocab
+from vllm_k3_plugin.format.events import (
+    ToolMarkup,
+)
+from vllm_k3_plugin.format.reasoning import (
+    Channel,
+    ReasoningReader,
+)
+from vllm_k3_plugin.format.tools import (
+    ToolCallReader,
+    collect_calls,
+)
+from vllm_k3_plugin.format.xtml import render_tools
 
 # Cases no generator can produce a value for, and why.
 UNGENERATABLE = {

@@ -6,8 +6,8 @@ import tracemalloc
 
 import pytest
 
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.reasoning_reader import Channel, ReasoningReader, ReplayPolicy
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.reasoning import Channel, ReasoningReader, ReplayPolicy
 
 TOKENS = 50_000
 DELTAS = [f" w{i % 97}" for i in range(TOKENS)]

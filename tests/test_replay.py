@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from vllm_k3_plugin import cli, vocab
+from vllm_k3_plugin import cli
+from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.replay import (
     SHAPES_IN_ORDER,
     Output,
@@ -151,7 +152,7 @@ def test_replay_counts_what_the_contract_reads():
 LARGE = textwrap.dedent(
     """
     import json, sys, time
-    from vllm_k3_plugin import vocab
+    from vllm_k3_plugin.format import vocab
 
     def high_water_kb():
         # VmHWM belongs to this address space (ru_maxrss is inherited across exec).

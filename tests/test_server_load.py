@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from tests.endpoints import ENDPOINTS, MODEL, PROMPT, Reply, chat, chat_stream
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.xtml import render_tools
 from vllm_k3_plugin.shapes import TOOLS
-from vllm_k3_plugin.xtml import render_tools
 
 pytestmark = pytest.mark.server
 

@@ -16,7 +16,8 @@ from tests.endpoints import ENDPOINTS, MODEL, PROMPT, chat, chat_stream
 from tests.expected_tools import TOOL_SHAPES as EXPECTED
 from tests.expected_tools import WEATHER as WEATHER_TEXT
 from tests.expected_tools import parsed
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.xtml import render_call, render_tools
 from vllm_k3_plugin.shapes import (
     FILE_ARGUMENTS,
     RAW_ARGUMENTS,
@@ -25,7 +26,6 @@ from vllm_k3_plugin.shapes import (
     output_ids,
 )
 from vllm_k3_plugin.vllm_adapter.serving_hooks import RAW_ARGUMENTS_KEY
-from vllm_k3_plugin.xtml import render_call, render_tools
 
 pytestmark = pytest.mark.server
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.testing import server
 from vllm_k3_plugin.testing.standin_engine import _ForcedTokenWorker
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_k3_plugin import tiny, vocab
+from vllm_k3_plugin import tiny
+from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.model.reference import mxfp4_decode
 
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
 
 # Fields of a request line passed through to /v1/completions as they are.
 _SAMPLING_FIELDS = (

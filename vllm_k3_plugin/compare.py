@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
 
 MODEL_NAME = "moonshotai/Kimi-K3"
 
@@ -73,7 +73,7 @@ def our_parser_cls(tool_parser: str | None = None) -> type:
 def text_only(parser_cls: type) -> type:
     """Our parser class reading structure from text alone (the fallback for callers
     without token ids), to measure what reading the ids costs beside it."""
-    from vllm_k3_plugin import marked
+    from vllm_k3_plugin.format import marked
 
     return type(
         "TextOnly" + parser_cls.__name__,

@@ -21,10 +21,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from vllm_k3_plugin import marked, vocab
 from vllm_k3_plugin.capture import iter_records
-from vllm_k3_plugin.output_reader import OutputReader, collect_output
-from vllm_k3_plugin.reasoning_reader import Channel
+from vllm_k3_plugin.format import marked, vocab
+from vllm_k3_plugin.format.output import OutputReader, collect_output
+from vllm_k3_plugin.format.reasoning import Channel
 
 SHAPES_IN_ORDER = (
     "answered",

@@ -13,8 +13,8 @@ import functools
 import re
 from typing import NamedTuple
 
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.vocab import (
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.vocab import (
     CLOSE,
     MESSAGE_END,
     RESPONSE_END,
@@ -25,7 +25,7 @@ from vllm_k3_plugin.vocab import (
     TOOLS_END,
     TOOLS_START,
 )
-from vllm_k3_plugin.xtml import render_tools
+from vllm_k3_plugin.format.xtml import render_tools
 
 
 class Shape(NamedTuple):

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.model.checkpoint_format import (
     LANGUAGE_MODEL_PREFIX,
     dense_weight_shapes,

@@ -12,7 +12,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
 
 # The Kimi pre-tokenizer split (Kimi K2's tokenization_kimi.py; K3 keeps the ranks).
 KIMI_PATTERN = "|".join(

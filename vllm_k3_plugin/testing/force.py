@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
 
 FORCE_KEY = "k3_force_ids"
 

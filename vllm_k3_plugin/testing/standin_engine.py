@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.testing.force import forced_ids
 
 # The KV cache the scheduler allocates blocks of: one small layer, never written.

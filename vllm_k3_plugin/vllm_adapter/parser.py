@@ -25,17 +25,20 @@ from typing import Any
 from vllm.entrypoints.generate.base.protocol import DeltaMessage, FunctionCall
 from vllm.parser.abstract_parser import DelegatingParser
 
-from vllm_k3_plugin import marked
-from vllm_k3_plugin.channel_ids import ReasoningCount
-from vllm_k3_plugin.output_reader import OutputReader, collect_output, split_events
-from vllm_k3_plugin.reasoning_reader import (
-    Channel,
+from vllm_k3_plugin.format import marked
+from vllm_k3_plugin.format.channel_ids import ReasoningCount
+from vllm_k3_plugin.format.events import (
+    CallCut,
     Content,
     Reasoning,
+)
+from vllm_k3_plugin.format.output import OutputReader, collect_output
+from vllm_k3_plugin.format.reasoning import (
+    Channel,
     ReasoningReader,
     collect,
+    split_events,
 )
-from vllm_k3_plugin.tool_reader import CallCut
 from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
 from vllm_k3_plugin.vllm_adapter.request_state import (
     model_stopped,

@@ -18,14 +18,14 @@ from typing import Any
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.reasoning import ReasoningParser
 
-from vllm_k3_plugin import marked, vocab
-from vllm_k3_plugin.channel_ids import (
+from vllm_k3_plugin.format import marked, vocab
+from vllm_k3_plugin.format.channel_ids import (
     count_reasoning_ids,
     reasoning_ends_in_delta,
     reasoning_open_after,
     reasoning_span_end,
 )
-from vllm_k3_plugin.reasoning_reader import (
+from vllm_k3_plugin.format.reasoning import (
     Channel,
     ReasoningReader,
     collect,

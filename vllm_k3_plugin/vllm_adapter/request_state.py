@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.channel_ids import Decode, reasoning_open_after
-from vllm_k3_plugin.reasoning_reader import Channel
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.channel_ids import Decode, reasoning_open_after
+from vllm_k3_plugin.format.reasoning import Channel
 
 
 def thinking_requested(chat_template_kwargs: dict[str, Any] | None) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_k3_plugin.reasoning_reader import ReplayPolicy
+from vllm_k3_plugin.format.reasoning import ReplayPolicy
 
 REPLAY_POLICY_ENV = "VLLM_K3_REPLAY_POLICY"
 

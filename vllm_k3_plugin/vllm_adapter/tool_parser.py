@@ -35,15 +35,24 @@ from vllm.entrypoints.generate.base.protocol import (
 from vllm.logger import init_logger
 from vllm.tool_parsers.kimi_k3_tool_parser import KimiK3ToolParser
 
-from vllm_k3_plugin.output_reader import OutputReader, collect_output
-from vllm_k3_plugin.reasoning_reader import Channel, Content, Reasoning
-from vllm_k3_plugin.tool_reader import (
+from vllm_k3_plugin.format.events import (
     ArgumentsDelta,
     CallCut,
     CallOpened,
+    Content,
     Dropped,
+    Reasoning,
 )
-from vllm_k3_plugin.tool_reader import ToolCall as ReadCall
+from vllm_k3_plugin.format.output import (
+    OutputReader,
+    collect_output,
+)
+from vllm_k3_plugin.format.reasoning import (
+    Channel,
+)
+from vllm_k3_plugin.format.tools import (
+    ToolCall as ReadCall,
+)
 
 logger = init_logger("vllm.k3_plugin.tool_parser")
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.vocab import CLOSE_ID, OPEN_ID, SEP_ID
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.vocab import CLOSE_ID, OPEN_ID, SEP_ID
 
 Decode = Callable[[Sequence[int]], str]
 

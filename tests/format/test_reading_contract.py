@@ -7,15 +7,15 @@ and one token at a time, with how it ended.
 from __future__ import annotations
 
 from tests.k3_ids import Control, encode, id_atoms, token_chunks
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.output_reader import (
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.output import (
     OutputReader,
     OutputReading,
     collect_output,
     finish_reason,
 )
-from vllm_k3_plugin.reasoning_reader import Channel
-from vllm_k3_plugin.tool_reader import ToolCall
+from vllm_k3_plugin.format.reasoning import Channel
+from vllm_k3_plugin.format.tools import ToolCall
 
 OPEN, CLOSE, SEP = vocab.OPEN, vocab.CLOSE, vocab.SEP
 THINK, RESPONSE = Channel.THINK, Channel.RESPONSE

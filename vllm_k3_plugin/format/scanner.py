@@ -20,22 +20,26 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
-class Text(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Text:
     """Text between markers. Adjacent ``Text`` events are one text."""
 
     text: str
 
 
-class Marker(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Marker:
     """A complete marker; ``marker`` is the marker string itself."""
 
     marker: str
 
 
-class Cut(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Cut:
     """The start of a marker cut off by the end of the output. Not a marker."""
 
     text: str

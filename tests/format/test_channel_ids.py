@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.channel_ids import (
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.channel_ids import (
     ReasoningCount,
     count_reasoning_ids,
     reasoning_end,
@@ -22,7 +22,7 @@ from vllm_k3_plugin.channel_ids import (
     reasoning_open_after,
     reasoning_span_end,
 )
-from vllm_k3_plugin.reasoning_reader import Channel, ReasoningReader
+from vllm_k3_plugin.format.reasoning import Channel, ReasoningReader
 
 # Elements as the model writes them: whole markers, ids for the atoms.
 ELEMENTS = [

@@ -26,7 +26,7 @@ import collections
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from vllm_k3_plugin import vocab
+from vllm_k3_plugin.format import vocab
 
 Decode = Callable[[Sequence[int]], str]
 

@@ -16,8 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import read_streamed
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.reasoning_reader import (
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.reasoning import (
     Channel,
     ReasoningReader,
     ReplayPolicy,

@@ -45,27 +45,11 @@ import enum
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from vllm_k3_plugin import marked as m
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.scanner import MarkerScanner
-from vllm_k3_plugin.xtml import TagText
-
-
-class Reasoning(NamedTuple):
-    text: str
-
-
-class Content(NamedTuple):
-    text: str
-
-
-class ToolMarkup(NamedTuple):
-    """Marked text of the tools channel, markers included, for the tool-call reader."""
-
-    text: str
-
-
-ReaderEvent = Reasoning | Content | ToolMarkup
+from vllm_k3_plugin.format import marked as m
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.events import Content, ReaderEvent, Reasoning, ToolMarkup
+from vllm_k3_plugin.format.scanner import MarkerScanner
+from vllm_k3_plugin.format.xtml import TagText
 
 
 class Channel(enum.Enum):
@@ -566,15 +550,11 @@ def read_whole(
     return collect(events, tools_as_content=tools_as_content)
 
 
-def collect(events: list[ReaderEvent], *, tools_as_content: bool = False) -> Reading:
-    """Join events into the three fields.
-
-    With ``tools_as_content`` (no tool parser to hand the channel to), the tools
-    channel is text of the reply, kept in place among the content.
-    """
+def split_events(events: list) -> tuple[str, str, list]:
+    """Reasoning joined, content joined, and every other event in order."""
     reasoning: list[str] = []
     content: list[str] = []
-    tools = content if tools_as_content else []
+    rest = []
     for event in events:
         kind = type(event)
         if kind is Reasoning:
@@ -582,7 +562,20 @@ def collect(events: list[ReaderEvent], *, tools_as_content: bool = False) -> Rea
         elif kind is Content:
             content.append(event.text)
         else:
-            tools.append(event.text)
+            rest.append(event)
+    return "".join(reasoning), "".join(content), rest
+
+
+def collect(events: list[ReaderEvent], *, tools_as_content: bool = False) -> Reading:
+    """Join events into the three fields.
+
+    With ``tools_as_content`` (no tool parser to hand the channel to), the tools
+    channel is text of the reply, kept in place among the content.
+    """
     if tools_as_content:
-        return Reading("".join(reasoning), m.unmarked("".join(content)), "")
-    return Reading("".join(reasoning), "".join(content), "".join(tools))
+        events = [
+            Content(m.unmarked(event.text)) if type(event) is ToolMarkup else event
+            for event in events
+        ]
+    reasoning, content, tools = split_events(events)
+    return Reading(reasoning, content, "".join(event.text for event in tools))

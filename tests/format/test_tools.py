@@ -10,13 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.k3_ids import Control, encode, id_atoms, token_chunks
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.tool_reader import (
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.events import (
     ArgumentsDelta,
     CallClosed,
     CallOpened,
     Dropped,
     Prose,
+)
+from vllm_k3_plugin.format.tools import (
     ToolCall,
     ToolCallReader,
     collect_calls,
@@ -24,7 +26,7 @@ from vllm_k3_plugin.tool_reader import (
     read_tools,
     typed_value_json,
 )
-from vllm_k3_plugin.xtml import (
+from vllm_k3_plugin.format.xtml import (
     MAX_TAG_CHARS,
     TagText,
     escape_attribute,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.scanner import (
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.scanner import (
     Cut,
     Marker,
     MarkerScanner,

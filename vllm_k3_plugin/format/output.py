@@ -15,30 +15,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from vllm_k3_plugin import marked as m
-from vllm_k3_plugin.reasoning_reader import (
-    Channel,
+from vllm_k3_plugin.format import marked as m
+from vllm_k3_plugin.format.events import (
     Content,
-    Reasoning,
-    ReasoningReader,
-    ReplayPolicy,
+    Dropped,
+    OutputEvent,
+    Prose,
     ToolMarkup,
 )
-from vllm_k3_plugin.tool_reader import (
-    ArgumentsDelta,
-    CallClosed,
-    CallCut,
-    CallOpened,
-    Dropped,
-    Prose,
-    ToolCall,
-    ToolCallReader,
-    collect_calls,
+from vllm_k3_plugin.format.reasoning import (
+    Channel,
+    ReasoningReader,
+    ReplayPolicy,
+    split_events,
 )
-
-OutputEvent = (
-    Reasoning | Content | CallOpened | ArgumentsDelta | CallClosed | CallCut | Dropped
-)
+from vllm_k3_plugin.format.tools import ToolCall, ToolCallReader, collect_calls
 
 
 class OutputReading(NamedTuple):
@@ -104,22 +95,6 @@ class OutputReader:
             else:
                 out.append(event)
         return out
-
-
-def split_events(events: list[OutputEvent]) -> tuple[str, str, list[OutputEvent]]:
-    """Reasoning joined, content joined, and the tool-call events in order."""
-    reasoning: list[str] = []
-    content: list[str] = []
-    calls: list[OutputEvent] = []
-    for event in events:
-        kind = type(event)
-        if kind is Reasoning:
-            reasoning.append(event.text)
-        elif kind is Content:
-            content.append(event.text)
-        else:
-            calls.append(event)
-    return "".join(reasoning), "".join(content), calls
 
 
 def collect_output(events: list[OutputEvent]) -> OutputReading:

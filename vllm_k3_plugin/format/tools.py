@@ -54,47 +54,18 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from vllm_k3_plugin import marked as m
-from vllm_k3_plugin import vocab
-from vllm_k3_plugin.xtml import TagText, parse_tag
-
-
-class CallOpened(NamedTuple):
-    index: int
-    """Position of the call in the output, from 0."""
-    name: str
-
-
-class ArgumentsDelta(NamedTuple):
-    index: int
-    text: str
-
-
-class CallClosed(NamedTuple):
-    index: int
-
-
-class CallCut(NamedTuple):
-    """The output ended inside this call: its arguments are what streamed."""
-
-    index: int
-
-
-class Prose(NamedTuple):
-    """Text of the tools channel outside any call: content."""
-
-    text: str
-
-
-class Dropped(NamedTuple):
-    """Markup read as no call; for the adapter to log."""
-
-    index: int | None
-    """The call it belonged to; ``None`` when no call was opened."""
-    reason: str
-
-
-ToolEvent = CallOpened | ArgumentsDelta | CallClosed | CallCut | Prose | Dropped
+from vllm_k3_plugin.format import marked as m
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.events import (
+    ArgumentsDelta,
+    CallClosed,
+    CallCut,
+    CallOpened,
+    Dropped,
+    Prose,
+    ToolEvent,
+)
+from vllm_k3_plugin.format.xtml import TagText, parse_tag
 
 
 class ToolCall(NamedTuple):

@@ -37,15 +37,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.k3_ids import atom_tokens, encoding
-from vllm_k3_plugin import marked, vocab
-from vllm_k3_plugin.output_reader import (
+from vllm_k3_plugin.format import marked, vocab
+from vllm_k3_plugin.format.output import (
     OutputReader,
     OutputReading,
     collect_output,
     finish_reason,
 )
-from vllm_k3_plugin.reasoning_reader import Channel, ReplayPolicy
-from vllm_k3_plugin.xtml import escape_attribute
+from vllm_k3_plugin.format.reasoning import Channel, ReplayPolicy
+from vllm_k3_plugin.format.xtml import escape_attribute
 
 OPEN, CLOSE, SEP = vocab.OPEN, vocab.CLOSE, vocab.SEP
 ATOMS = (OPEN, CLOSE, SEP, vocab.END_OF_MSG)

@@ -10,15 +10,15 @@ import pytest
 
 from tests.conftest import chunkings, read_streamed
 from tests.k3_ids import Control, encode, id_atoms, token_chunks
-from vllm_k3_plugin.marked import unmarked
-from vllm_k3_plugin.reasoning_reader import (
+from vllm_k3_plugin.format.marked import unmarked
+from vllm_k3_plugin.format.reasoning import (
     Channel,
     ReasoningReader,
     ReplayPolicy,
     collect,
     read_whole,
 )
-from vllm_k3_plugin.vocab import (
+from vllm_k3_plugin.format.vocab import (
     MESSAGE_END,
     RESPONSE_END,
     RESPONSE_START,
