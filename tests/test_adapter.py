@@ -24,11 +24,11 @@ from vllm_k3_plugin import compare
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.reasoning import read_whole
 from vllm_k3_plugin.format.vocab import RESPONSE_END
-from vllm_k3_plugin.vllm_adapter.parser import K3Parser
-from vllm_k3_plugin.vllm_adapter.reasoning_parser import (
+from vllm_k3_plugin.parsers.parser import K3Parser
+from vllm_k3_plugin.parsers.reasoning_parser import (
     K3ReasoningParser,
 )
-from vllm_k3_plugin.vllm_adapter.request_state import start_channel
+from vllm_k3_plugin.parsers.request_state import start_channel
 
 ELEMENTS = [
     vocab.THINK_END,
@@ -98,7 +98,7 @@ def test_composed_parser_is_ours(tool_parser):
 def test_register_is_idempotent():
     compose = ParserManager.__dict__["_compose_parser"].__func__
     vllm_k3_plugin.register()
-    from vllm_k3_plugin.vllm_adapter.registration import register_all
+    from vllm_k3_plugin.registration import register_all
 
     register_all()
     assert ParserManager.__dict__["_compose_parser"].__func__ is compose
@@ -229,7 +229,7 @@ def test_answer_closer_is_not_a_reasoning_end(hf_tokenizer):
 
 
 def test_bad_replay_policy_fails_at_registration(monkeypatch):
-    from vllm_k3_plugin.vllm_adapter.registration import register_all
+    from vllm_k3_plugin.registration import register_all
 
     monkeypatch.setenv("VLLM_K3_REPLAY_POLICY", "sometimes")
     with pytest.raises(ValueError, match="replay, hold-back"):

@@ -10,13 +10,13 @@ import textwrap
 import pytest
 
 from vllm_k3_plugin.compat import (
-    ALLOW_UNSUPPORTED_ENV,
     SUPPORTED_VLLM,
     UnsupportedVLLMError,
     check_vllm_version,
     release,
     unsupported_reason,
 )
+from vllm_k3_plugin.envs import ALLOW_UNSUPPORTED_VLLM_ENV
 
 # Loads general plugins as every vLLM process does, then reports what ``kimi_k3``
 # resolves to and whether any module of ours was imported.
@@ -64,9 +64,9 @@ def test_loaded_by_default():
     run = _probe({"VLLM_PLUGINS": None})
     assert run.returncode == 0, run.stderr[-2000:]
     reasoning, tool, composed, _ = run.stdout.split(maxsplit=3)
-    assert reasoning == "vllm_k3_plugin.vllm_adapter.reasoning_parser"
-    assert tool == "vllm_k3_plugin.vllm_adapter.tool_parser"
-    assert composed == "vllm_k3_plugin.vllm_adapter.parser"
+    assert reasoning == "vllm_k3_plugin.parsers.reasoning_parser"
+    assert tool == "vllm_k3_plugin.parsers.tool_parser"
+    assert composed == "vllm_k3_plugin.parsers.parser"
 
 
 def test_left_out_with_empty_vllm_plugins():
@@ -88,7 +88,7 @@ def test_unsupported_vllm_refuses_to_load_naming_the_range():
 
 def test_unsupported_vllm_loads_when_allowed():
     run = _probe(
-        {"VLLM_PLUGINS": None, ALLOW_UNSUPPORTED_ENV: "1"},
+        {"VLLM_PLUGINS": None, ALLOW_UNSUPPORTED_VLLM_ENV: "1"},
         patch="vllm.__version__ = '0.35.0'",
     )
     assert run.returncode == 0, run.stderr[-2000:]
@@ -115,11 +115,11 @@ def test_version_range(version, supported):
 
 
 def test_check_raises_or_warns(monkeypatch):
-    monkeypatch.delenv(ALLOW_UNSUPPORTED_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_UNSUPPORTED_VLLM_ENV, raising=False)
     with pytest.raises(UnsupportedVLLMError, match="supports vLLM"):
         check_vllm_version("0.20.0", warn=print)
     warned = []
-    monkeypatch.setenv(ALLOW_UNSUPPORTED_ENV, "1")
+    monkeypatch.setenv(ALLOW_UNSUPPORTED_VLLM_ENV, "1")
     check_vllm_version("0.20.0", warn=warned.append)
     assert len(warned) == 1 and "0.20.0" in warned[0]
     assert release("0.33.2") == (0, 33)

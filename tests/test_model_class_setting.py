@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_k3_plugin.vllm_adapter.settings import MODEL_CLASS_ENV, model_class
+from vllm_k3_plugin.envs import MODEL_CLASS_ENV, model_class
 
 
 def test_ours_by_default_on_the_cpu_only(monkeypatch):
@@ -48,7 +48,7 @@ def test_cuda_graphs_on_a_gpu_are_refused_at_load_naming_the_fix(mode):
 
 
 def test_kernels_default_to_triton_on_gpus_and_pytorch_on_the_cpu(monkeypatch):
-    from vllm_k3_plugin.vllm_adapter.settings import KERNELS_ENV, kernels
+    from vllm_k3_plugin.envs import KERNELS_ENV, kernels
 
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     assert kernels(on_gpu=True) == "triton"

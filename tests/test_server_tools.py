@@ -18,6 +18,7 @@ from tests.expected_tools import WEATHER as WEATHER_TEXT
 from tests.expected_tools import parsed
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_call, render_tools
+from vllm_k3_plugin.parsers.serving_hooks import RAW_ARGUMENTS_KEY
 from vllm_k3_plugin.shapes import (
     FILE_ARGUMENTS,
     RAW_ARGUMENTS,
@@ -25,7 +26,6 @@ from vllm_k3_plugin.shapes import (
     TOOLS,
     output_ids,
 )
-from vllm_k3_plugin.vllm_adapter.serving_hooks import RAW_ARGUMENTS_KEY
 
 pytestmark = pytest.mark.server
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from vllm_k3_plugin.vllm_adapter import serving_hooks
-from vllm_k3_plugin.vllm_adapter.serving_hooks import (
+from vllm_k3_plugin.parsers import serving_hooks
+from vllm_k3_plugin.parsers.serving_hooks import (
     RAW_ARGUMENTS_KEY,
     json_object_text,
     last_output_cut,

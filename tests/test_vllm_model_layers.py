@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from k3_triton_kernels import latent_moe as moe_kernel
 from tests.host_reads import no_host_reads
+from vllm_k3_plugin.envs import KERNELS_ENV
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.checkpoint_format import WeightShapeError
-from vllm_k3_plugin.vllm_adapter.settings import KERNELS_ENV
 
 
 def engine_config(checkpoint):
@@ -414,8 +414,8 @@ def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
     """``KimiK3ForCausalLM``: a ``kimi_linear`` config, names without the prefix."""
     from vllm.config import set_current_vllm_config
 
+    from vllm_k3_plugin.registration import register_all
     from vllm_k3_plugin.tiny import write_tiny_k3_checkpoint
-    from vllm_k3_plugin.vllm_adapter.registration import register_all
     from vllm_k3_plugin.vllm_model.model import KimiK3ForCausalLM
 
     register_all()

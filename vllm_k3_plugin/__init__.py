@@ -17,7 +17,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm_k3_plugin.vllm_adapter.registration import register_all
+    from vllm_k3_plugin.registration import register_all
 
     register_all()
     _registered = True

@@ -8,13 +8,13 @@ rather than misbehaving inside a request.
 
 from __future__ import annotations
 
-import os
 import re
+
+from vllm_k3_plugin.envs import ALLOW_UNSUPPORTED_VLLM_ENV, allow_unsupported_vllm
 
 SUPPORTED_VLLM = ">=0.32, <0.34"
 _LOWEST = (0, 32)
 _BEYOND = (0, 34)
-ALLOW_UNSUPPORTED_ENV = "VLLM_K3_ALLOW_UNSUPPORTED_VLLM"
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -38,7 +38,7 @@ def unsupported_reason(version: str) -> str | None:
         f"vllm-k3-plugin {__version__} supports vLLM {SUPPORTED_VLLM}; this is vLLM "
         f"{version!r}. Install a supported vLLM, or leave the plugin out "
         "(VLLM_PLUGINS set to the plugins to load, without 'kimi_k3') to serve with "
-        f"vLLM's own parsers; {ALLOW_UNSUPPORTED_ENV}=1 loads it anyway."
+        f"vLLM's own parsers; {ALLOW_UNSUPPORTED_VLLM_ENV}=1 loads it anyway."
     )
 
 
@@ -48,7 +48,7 @@ def check_vllm_version(version: str, warn) -> None:
     reason = unsupported_reason(version)
     if reason is None:
         return
-    if os.environ.get(ALLOW_UNSUPPORTED_ENV, "") not in ("", "0"):
+    if allow_unsupported_vllm():
         warn(reason)
         return
     raise UnsupportedVLLMError(reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vllm.platforms import current_platform
 
-from vllm_k3_plugin.vllm_adapter.settings import kernels
+from vllm_k3_plugin.envs import kernels
 
 
 def use_triton_kernels() -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.reasoning import ReasoningParser
 
+from vllm_k3_plugin.envs import replay_policy
 from vllm_k3_plugin.format import marked, vocab
 from vllm_k3_plugin.format.channel_ids import (
     count_reasoning_ids,
@@ -31,8 +32,7 @@ from vllm_k3_plugin.format.reasoning import (
     collect,
     read_whole,
 )
-from vllm_k3_plugin.vllm_adapter.request_state import start_channel, thinking_requested
-from vllm_k3_plugin.vllm_adapter.settings import replay_policy
+from vllm_k3_plugin.parsers.request_state import start_channel, thinking_requested
 
 _ATOM_TOKENS: dict[int, tuple[Any, marked.AtomTokens]] = {}
 

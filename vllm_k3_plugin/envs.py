@@ -1,7 +1,8 @@
-"""Operator settings, read from the environment.
+"""Every ``VLLM_K3_*`` setting: its name, default, choices and parsing, here only.
 
-Each parser reads them when it is built; registration reads them once at process
-start, so a bad value stops the server there rather than failing a request.
+Each is read when asked: the parsers read the replay policy when they are built;
+registration reads every setting once at process start, so a bad value stops the
+server there rather than failing a request.
 """
 
 from __future__ import annotations
@@ -62,3 +63,12 @@ def _choice(env: str, default: str, choices: tuple[str, ...], what: str) -> str:
             f"{env}={raw!r} is not {what} choice; choose one of {', '.join(choices)}"
         )
     return raw
+
+
+ALLOW_UNSUPPORTED_VLLM_ENV = "VLLM_K3_ALLOW_UNSUPPORTED_VLLM"
+
+
+def allow_unsupported_vllm() -> bool:
+    """``VLLM_K3_ALLOW_UNSUPPORTED_VLLM``: load the plugin into a vLLM outside the
+    supported range (any value but empty or ``0``), with a warning."""
+    return os.environ.get(ALLOW_UNSUPPORTED_VLLM_ENV, "") not in ("", "0")

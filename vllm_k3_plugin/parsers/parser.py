@@ -25,6 +25,7 @@ from typing import Any
 from vllm.entrypoints.generate.base.protocol import DeltaMessage, FunctionCall
 from vllm.parser.abstract_parser import DelegatingParser
 
+from vllm_k3_plugin.envs import replay_policy
 from vllm_k3_plugin.format import marked
 from vllm_k3_plugin.format.channel_ids import ReasoningCount
 from vllm_k3_plugin.format.events import (
@@ -39,16 +40,15 @@ from vllm_k3_plugin.format.reasoning import (
     collect,
     split_events,
 )
-from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
-from vllm_k3_plugin.vllm_adapter.request_state import (
+from vllm_k3_plugin.parsers.reasoning_parser import K3ReasoningParser
+from vllm_k3_plugin.parsers.request_state import (
     model_stopped,
     start_channel,
     stop_ids_for,
     thinking_requested,
 )
-from vllm_k3_plugin.vllm_adapter.serving_hooks import record_output
-from vllm_k3_plugin.vllm_adapter.settings import replay_policy
-from vllm_k3_plugin.vllm_adapter.tool_parser import (
+from vllm_k3_plugin.parsers.serving_hooks import record_output
+from vllm_k3_plugin.parsers.tool_parser import (
     K3ToolParser,
     ToolCallDeltas,
     function_calls,

@@ -45,7 +45,7 @@ def register_all() -> None:
 
     from vllm_k3_plugin import __version__
     from vllm_k3_plugin.compat import check_vllm_version
-    from vllm_k3_plugin.vllm_adapter.settings import model_class, replay_policy
+    from vllm_k3_plugin.envs import model_class, replay_policy
 
     logger = init_logger("vllm.k3_plugin")
     # An unsupported vLLM or a bad VLLM_K3_REPLAY_POLICY fails here, at process
@@ -84,7 +84,7 @@ def _register_model_classes() -> None:
 def _register_reasoning_parser() -> None:
     from vllm.reasoning import ReasoningParserManager
 
-    from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
+    from vllm_k3_plugin.parsers.reasoning_parser import K3ReasoningParser
 
     ReasoningParserManager.register_module(
         name="kimi_k3", force=True, module=K3ReasoningParser
@@ -94,7 +94,7 @@ def _register_reasoning_parser() -> None:
 def _register_tool_parser() -> None:
     from vllm.tool_parsers import ToolParserManager
 
-    from vllm_k3_plugin.vllm_adapter.tool_parser import K3ToolParser
+    from vllm_k3_plugin.parsers.tool_parser import K3ToolParser
 
     ToolParserManager.register_module(name="kimi_k3", force=True, module=K3ToolParser)
 
@@ -121,7 +121,7 @@ def _wrap_parser_composition() -> None:
 
 def as_k3_parser(composed: type | None) -> type | None:
     """``composed`` rebuilt on ``K3Parser`` if it reads with our reasoning parser."""
-    from vllm_k3_plugin.vllm_adapter.reasoning_parser import K3ReasoningParser
+    from vllm_k3_plugin.parsers.reasoning_parser import K3ReasoningParser
 
     if composed is None:
         return None
@@ -131,8 +131,8 @@ def as_k3_parser(composed: type | None) -> type | None:
     ):
         return composed
 
-    from vllm_k3_plugin.vllm_adapter import serving_hooks
-    from vllm_k3_plugin.vllm_adapter.parser import K3Parser
+    from vllm_k3_plugin.parsers import serving_hooks
+    from vllm_k3_plugin.parsers.parser import K3Parser
 
     serving_hooks.install()
     if issubclass(composed, K3Parser):
