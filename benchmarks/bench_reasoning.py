@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from vllm_k3_plugin import compare
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.reasoning import Channel, ReasoningReader, read_whole
+from vllm_k3_plugin.tools import compare
 
 THOUGHT_WORDS = (
     "the answer is we need to check whether first then consider case value sum of "

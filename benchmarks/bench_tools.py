@@ -31,10 +31,10 @@ import time
 
 from bench_reasoning import think_text
 
-from vllm_k3_plugin import compare
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_tools
-from vllm_k3_plugin.shapes import TOOLS
+from vllm_k3_plugin.tools import compare
+from vllm_k3_plugin.tools.shapes import TOOLS
 
 REPLY = "On it."
 

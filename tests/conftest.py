@@ -82,7 +82,7 @@ def chunk_all():
 @pytest.fixture(scope="session")
 def k3_tokenizer():
     """The real Kimi BPE with the K3 control ids (tiktoken)."""
-    from vllm_k3_plugin.tokenizer import load_tiktoken_encoding
+    from vllm_k3_plugin.tools.tokenizer import load_tiktoken_encoding
 
     return load_tiktoken_encoding()
 
@@ -120,8 +120,8 @@ def k3_server(tiny_checkpoint, k3_server_log):
 
 @pytest.fixture(scope="session")
 def tiny_k3_checkpoint(tmp_path_factory):
-    """The tiny Kimi-K3 checkpoint in the real format (``vllm_k3_plugin.tiny``)."""
-    from vllm_k3_plugin.tiny import write_tiny_k3_checkpoint
+    """The tiny Kimi-K3 checkpoint in the real format (``tools.tiny``)."""
+    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
 
     return write_tiny_k3_checkpoint(tmp_path_factory.mktemp("tiny-k3"))
 

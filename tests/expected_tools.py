@@ -1,12 +1,12 @@
-"""What each tool shape of ``vllm_k3_plugin.shapes`` reads as when the model stopped
-itself: ``(reasoning, content, calls)``, each call ``(name, arguments text)``; and a
-conversation whose first turn made calls, for the ids of the next."""
+"""What each tool shape of ``vllm_k3_plugin.tools.shapes`` reads as when the model
+stopped itself: ``(reasoning, content, calls)``, each call ``(name, arguments
+text)``; and a conversation whose first turn made calls, for the ids of the next."""
 
 from __future__ import annotations
 
 import json
 
-from vllm_k3_plugin.shapes import FILE_ARGUMENTS, RAW_ARGUMENTS, SKIPPED_REPLY
+from vllm_k3_plugin.tools.shapes import FILE_ARGUMENTS, RAW_ARGUMENTS, SKIPPED_REPLY
 
 WEATHER = ("get_weather", '{"city": "Paris"}')
 MULTI = (

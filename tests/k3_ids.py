@@ -13,7 +13,7 @@ import functools
 from typing import NamedTuple
 
 from vllm_k3_plugin.format import marked, vocab
-from vllm_k3_plugin.tokenizer import load_tiktoken_encoding
+from vllm_k3_plugin.tools.tokenizer import load_tiktoken_encoding
 
 
 class Control(NamedTuple):

@@ -20,7 +20,6 @@ from vllm.parser.parser_manager import ParserManager
 from vllm.reasoning import ReasoningParserManager
 
 import vllm_k3_plugin
-from vllm_k3_plugin import compare
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.reasoning import read_whole
 from vllm_k3_plugin.format.vocab import RESPONSE_END
@@ -29,6 +28,7 @@ from vllm_k3_plugin.parsers.reasoning_parser import (
     K3ReasoningParser,
 )
 from vllm_k3_plugin.parsers.request_state import start_channel
+from vllm_k3_plugin.tools import compare
 
 ELEMENTS = [
     vocab.THINK_END,

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from vllm_k3_plugin import cli
-from vllm_k3_plugin.capture import CaptureError, done_ids, read_requests
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.shapes import SHAPES, TOOLS
+from vllm_k3_plugin.tools import cli
+from vllm_k3_plugin.tools.capture import CaptureError, done_ids, read_requests
+from vllm_k3_plugin.tools.shapes import SHAPES, TOOLS
 
 pytestmark = pytest.mark.server
 
@@ -159,7 +159,7 @@ def test_capture_killed_midway_and_resumed(k3_server, hf_tokenizer, tmp_path):
     assert cli.main([*argv, "--out", str(whole), "--no-progress"]) == 0
 
     resumed = tmp_path / "resumed.jsonl"
-    command = [sys.executable, "-m", "vllm_k3_plugin.cli", *argv]
+    command = [sys.executable, "-m", "vllm_k3_plugin.tools.cli", *argv]
 
     def run_and_kill_after_a_line() -> int:
         resumed.unlink(missing_ok=True)

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from vllm_k3_plugin import cli
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.replay import (
+from vllm_k3_plugin.tools import cli
+from vllm_k3_plugin.tools.replay import (
     SHAPES_IN_ORDER,
     Output,
     builtin_corpus,
@@ -21,7 +21,7 @@ from vllm_k3_plugin.replay import (
     replay,
     whole,
 )
-from vllm_k3_plugin.shapes import SHAPES, output_ids
+from vllm_k3_plugin.tools.shapes import SHAPES, output_ids
 
 # The built-in corpus's replies vLLM's in-tree parser loses and ours recovers.
 LOST_BY_VLLM = {
@@ -160,7 +160,7 @@ LARGE = textwrap.dedent(
             for line in status:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1])
-    from vllm_k3_plugin.cli import main
+    from vllm_k3_plugin.tools.cli import main
     path, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     words = "the answer is we need to check whether first then ".split()
     with open(path, "w") as out:

@@ -17,7 +17,7 @@ import pytest
 from tests.endpoints import MODEL, chat, chat_stream
 from tests.expected_tools import history_with_calls
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.shapes import SHAPES, TOOLS
+from vllm_k3_plugin.tools.shapes import SHAPES, TOOLS
 
 pytestmark = pytest.mark.server
 

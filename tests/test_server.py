@@ -13,7 +13,7 @@ from tests.endpoints import ENDPOINTS, chat, chat_stream
 from tests.test_server_tools import TOOL_SHAPES
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.vocab import RESPONSE_END
-from vllm_k3_plugin.shapes import QUOTED_JSON, SHAPES, SKIPPED_REPLY, output_ids
+from vllm_k3_plugin.tools.shapes import QUOTED_JSON, SHAPES, SKIPPED_REPLY, output_ids
 
 pytestmark = pytest.mark.server
 

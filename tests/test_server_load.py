@@ -19,7 +19,7 @@ import pytest
 from tests.endpoints import ENDPOINTS, MODEL, PROMPT, Reply, chat, chat_stream
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_tools
-from vllm_k3_plugin.shapes import TOOLS
+from vllm_k3_plugin.tools.shapes import TOOLS
 
 pytestmark = pytest.mark.server
 

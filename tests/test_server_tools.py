@@ -19,7 +19,7 @@ from tests.expected_tools import parsed
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_call, render_tools
 from vllm_k3_plugin.parsers.serving_hooks import RAW_ARGUMENTS_KEY
-from vllm_k3_plugin.shapes import (
+from vllm_k3_plugin.tools.shapes import (
     FILE_ARGUMENTS,
     RAW_ARGUMENTS,
     SHAPES,

@@ -1,4 +1,4 @@
-"""``python -m vllm_k3_plugin.tiny``: the tiny checkpoint is in the real K3 format."""
+"""``python -m vllm_k3_plugin.tools.tiny``: the tiny checkpoint in the K3 format."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_k3_plugin import tiny
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.model.reference import mxfp4_decode
+from vllm_k3_plugin.tools import tiny
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ from vllm.tool_parsers import ToolParserManager
 
 import vllm_k3_plugin
 from tests.expected_tools import TOOL_SHAPES, WEATHER, history_with_calls
-from vllm_k3_plugin import compare
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_tools
 from vllm_k3_plugin.parsers.tool_parser import K3ToolParser
-from vllm_k3_plugin.shapes import SHAPES, TOOLS, output_ids
+from vllm_k3_plugin.tools import compare
+from vllm_k3_plugin.tools.shapes import SHAPES, TOOLS, output_ids
 
 WEATHER_CALL_ARGS = ("get_weather", {"city": "Paris"})
 

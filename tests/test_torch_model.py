@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_k3_plugin import tiny
 from vllm_k3_plugin.model.torch_model import (
     K3TextModel,
     SequenceState,
     WeightShapeError,
 )
+from vllm_k3_plugin.tools import tiny
 
 
 @pytest.fixture(scope="module")

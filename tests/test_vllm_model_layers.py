@@ -415,7 +415,7 @@ def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
     from vllm.config import set_current_vllm_config
 
     from vllm_k3_plugin.registration import register_all
-    from vllm_k3_plugin.tiny import write_tiny_k3_checkpoint
+    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
     from vllm_k3_plugin.vllm_model.model import KimiK3ForCausalLM
 
     register_all()

@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.tokenizer import write_hf_tokenizer
+from vllm_k3_plugin.tools.tokenizer import write_hf_tokenizer
 
 MARKER_FILE = "vllm_k3_tiny.json"
 

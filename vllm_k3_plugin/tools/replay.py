@@ -21,10 +21,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from vllm_k3_plugin.capture import iter_records
 from vllm_k3_plugin.format import marked, vocab
 from vllm_k3_plugin.format.output import OutputReader, collect_output
 from vllm_k3_plugin.format.reasoning import Channel
+from vllm_k3_plugin.tools.capture import iter_records
 
 SHAPES_IN_ORDER = (
     "answered",
@@ -99,7 +99,7 @@ def _encoding() -> Any:
     """The bundled Kimi BPE (tiktoken, which every vLLM installs); ``None`` without
     tiktoken: outputs are then read from their text alone."""
     try:
-        from vllm_k3_plugin.tokenizer import load_tiktoken_encoding
+        from vllm_k3_plugin.tools.tokenizer import load_tiktoken_encoding
 
         return load_tiktoken_encoding()
     except ImportError:
@@ -203,7 +203,7 @@ def shape_of(output: Output, read: Read) -> str:
 
 def builtin_corpus() -> Iterator[Output]:
     """The recorded shapes of ``shapes.py``, each ended by a stop and by a cut."""
-    from vllm_k3_plugin.shapes import SHAPES, output_ids
+    from vllm_k3_plugin.tools.shapes import SHAPES, output_ids
 
     for name, shape in SHAPES.items():
         for finish in ("stop", "length"):
@@ -246,7 +246,7 @@ class VllmReader:
     """vLLM's in-tree ``kimi_k3`` parsers, streamed per token and whole."""
 
     def __init__(self, tokenizer_dir: Path | None = None) -> None:
-        from vllm_k3_plugin import compare
+        from vllm_k3_plugin.tools import compare
 
         self._compare = compare
         self.tokenizer = compare.load_tokenizer(tokenizer_dir)

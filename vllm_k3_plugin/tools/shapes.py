@@ -250,7 +250,7 @@ SHAPES: dict[str, Shape] = {
 
 @functools.cache
 def _encoding():
-    from vllm_k3_plugin.tokenizer import load_tiktoken_encoding
+    from vllm_k3_plugin.tools.tokenizer import load_tiktoken_encoding
 
     return load_tiktoken_encoding()
 

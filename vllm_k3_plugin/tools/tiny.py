@@ -1,5 +1,5 @@
-"""``python -m vllm_k3_plugin.tiny OUT_DIR``: a tiny random Kimi-K3 checkpoint in the
-real format.
+"""``python -m vllm_k3_plugin.tools.tiny OUT_DIR``: a tiny random Kimi-K3 checkpoint in
+the real format.
 
 ``config.json`` is a ``kimi_k3`` config wrapping a ``kimi_linear`` text config (the
 published checkpoint's layout, with every field the text model reads), the weights
@@ -146,7 +146,7 @@ def write_tiny_k3_checkpoint(
 
     from vllm_k3_plugin.model.reference import mxfp4_encode
     from vllm_k3_plugin.testing.checkpoint import chat_template
-    from vllm_k3_plugin.tokenizer import write_hf_tokenizer
+    from vllm_k3_plugin.tools.tokenizer import write_hf_tokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

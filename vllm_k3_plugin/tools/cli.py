@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    from vllm_k3_plugin.capture import CaptureError, capture
+    from vllm_k3_plugin.tools.capture import CaptureError, capture
 
     try:
         count = asyncio.run(
@@ -88,7 +88,7 @@ def _capture(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from vllm_k3_plugin import replay
+    from vllm_k3_plugin.tools import replay
 
     summary = replay.Summary(args.against == "vllm")
     if args.file is None:
