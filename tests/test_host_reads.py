@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.host_reads import HostRead, no_host_reads
+from tests.support.host_reads import HostRead, no_host_reads
 
 T = torch.arange(6.0)
 

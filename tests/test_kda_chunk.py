@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kda_inputs import kda_inputs
+from tests.support.kda_inputs import kda_inputs
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.kda_chunk import (
     WINDOW_BYTES,

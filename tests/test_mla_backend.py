@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from k3_triton_kernels import mla_decode as kernel
-from tests.host_reads import no_host_reads
+from tests.support.host_reads import no_host_reads
 from vllm_k3_plugin.vllm_model.mla_backend import (
     K3CpuMlaBackend,
     K3CpuMlaImpl,

@@ -14,8 +14,8 @@ import json
 import httpx
 import pytest
 
-from tests.endpoints import MODEL, chat, chat_stream
-from tests.expected_tools import history_with_calls
+from tests.support.endpoints import MODEL, chat, chat_stream
+from tests.support.expected_tools import history_with_calls
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.tools.shapes import SHAPES, TOOLS
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.endpoints import ENDPOINTS, chat, chat_stream
+from tests.support.endpoints import ENDPOINTS, chat, chat_stream
 from tests.test_server_tools import TOOL_SHAPES
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.vocab import RESPONSE_END

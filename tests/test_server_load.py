@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.endpoints import ENDPOINTS, MODEL, PROMPT, Reply, chat, chat_stream
+from tests.support.endpoints import ENDPOINTS, MODEL, PROMPT, Reply, chat, chat_stream
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_tools
 from vllm_k3_plugin.tools.shapes import TOOLS

@@ -12,10 +12,10 @@ import anthropic
 import openai
 import pytest
 
-from tests.endpoints import ENDPOINTS, MODEL, PROMPT, chat, chat_stream
-from tests.expected_tools import TOOL_SHAPES as EXPECTED
-from tests.expected_tools import WEATHER as WEATHER_TEXT
-from tests.expected_tools import parsed
+from tests.support.endpoints import ENDPOINTS, MODEL, PROMPT, chat, chat_stream
+from tests.support.expected_tools import TOOL_SHAPES as EXPECTED
+from tests.support.expected_tools import WEATHER as WEATHER_TEXT
+from tests.support.expected_tools import parsed
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_call, render_tools
 from vllm_k3_plugin.parsers.serving_hooks import RAW_ARGUMENTS_KEY

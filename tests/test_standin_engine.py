@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support import server
+from tests.support.standin_engine import _ForcedTokenWorker
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.testing import server
-from vllm_k3_plugin.testing.standin_engine import _ForcedTokenWorker
 
 
 def _new(req_id, prompt_len, forced, computed=0):

@@ -1,4 +1,4 @@
-"""The test server's process handling (``vllm_k3_plugin.testing.server``)."""
+"""The test server's process handling (``tests.support.server``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_a_served_child_dies_with_the_process_that_started_it(tmp_path):
             sys.executable,
             "-c",
             "import subprocess, sys, time\n"
-            "from vllm_k3_plugin.testing.server import die_with_parent\n"
+            "from tests.support.server import die_with_parent\n"
             "child = subprocess.Popen(\n"
             "    [sys.executable, '-c', 'import time; time.sleep(120)'],\n"
             "    start_new_session=True, preexec_fn=die_with_parent,\n"

@@ -18,7 +18,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.tool_parsers import ToolParserManager
 
 import vllm_k3_plugin
-from tests.expected_tools import TOOL_SHAPES, WEATHER, history_with_calls
+from tests.support.expected_tools import TOOL_SHAPES, WEATHER, history_with_calls
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_tools
 from vllm_k3_plugin.parsers.tool_parser import K3ToolParser

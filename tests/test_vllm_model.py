@@ -22,7 +22,7 @@ from model_checks import (
 )
 from openai import OpenAI
 
-from vllm_k3_plugin.testing.server import TINY_K3_ARGS, running_server
+from tests.support.server import TINY_K3_ARGS, running_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 

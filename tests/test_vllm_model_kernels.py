@@ -31,7 +31,7 @@ from __future__ import annotations
 import pytest
 from model_checks import greedy, prompts
 
-from vllm_k3_plugin.testing.server import TINY_K3_ARGS, running_server
+from tests.support.server import TINY_K3_ARGS, running_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 

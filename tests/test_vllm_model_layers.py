@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from k3_triton_kernels import latent_moe as moe_kernel
-from tests.host_reads import no_host_reads
+from tests.support.host_reads import no_host_reads
 from vllm_k3_plugin.envs import KERNELS_ENV
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.checkpoint_format import WeightShapeError

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from model_checks import assert_close, greedy_concurrently, prompts, reference_logprobs
 
-from vllm_k3_plugin.testing.server import TINY_K3_ARGS, running_server
+from tests.support.server import TINY_K3_ARGS, running_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 

@@ -1,5 +1,5 @@
 """The built wheel carries every package of the source tree (an editable install
-would hide one left out of ``pyproject.toml``)."""
+would hide one left out of ``pyproject.toml``), and no test support."""
 
 from __future__ import annotations
 
@@ -55,3 +55,9 @@ def test_the_wheel_holds_every_module(tmp_path):
         shipped = {name.removesuffix(".py") for name in archive.namelist()}
     missing = sorted(source_modules() - shipped)
     assert not missing, f"left out of the wheel: {missing}"
+    # Nothing else: test support stays in tests/.
+    tops = {name.split("/")[0] for name in shipped}
+    code = {top for top in tops if not top.endswith(".dist-info")}
+    assert code == {"vllm_k3_plugin", "k3_triton_kernels"}, sorted(code)
+    support = [n for n in shipped if {"testing", "support"} & set(n.split("/"))]
+    assert not support, support

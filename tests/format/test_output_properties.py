@@ -36,7 +36,7 @@ from typing import NamedTuple
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.k3_ids import atom_tokens, encoding
+from tests.support.k3_ids import atom_tokens, encoding
 from vllm_k3_plugin.format import marked, vocab
 from vllm_k3_plugin.format.output import (
     OutputReader,

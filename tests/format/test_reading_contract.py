@@ -6,7 +6,7 @@ and one token at a time, with how it ended.
 
 from __future__ import annotations
 
-from tests.k3_ids import Control, encode, id_atoms, token_chunks
+from tests.support.k3_ids import Control, encode, id_atoms, token_chunks
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.output import (
     OutputReader,

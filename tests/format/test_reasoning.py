@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import chunkings, read_streamed
-from tests.k3_ids import Control, encode, id_atoms, token_chunks
+from tests.support.k3_ids import Control, encode, id_atoms, token_chunks
 from vllm_k3_plugin.format.marked import unmarked
 from vllm_k3_plugin.format.reasoning import (
     Channel,

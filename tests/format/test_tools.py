@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.k3_ids import Control, encode, id_atoms, token_chunks
+from tests.support.k3_ids import Control, encode, id_atoms, token_chunks
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.events import (
     ArgumentsDelta,

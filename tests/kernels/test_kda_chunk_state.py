@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from k3_triton_kernels.kda_chunk_state import kda_state_pass, kda_state_pass_reference
-from tests.kda_inputs import kda_inputs
 from tests.kernels.placement import on_device
+from tests.support.kda_inputs import kda_inputs
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.kda_chunk import chunk_terms, kda_chunked
 

@@ -18,8 +18,8 @@ from k3_triton_kernels.kda_chunk_terms import (
     kda_chunk_terms,
     kda_chunk_terms_reference,
 )
-from tests.kda_inputs import kda_inputs
 from tests.kernels.placement import on_device
+from tests.support.kda_inputs import kda_inputs
 from vllm_k3_plugin.model import reference as ref
 from vllm_k3_plugin.model.kda_chunk import kda_chunked
 

@@ -24,13 +24,13 @@ import pytest
 import torch
 
 from k3_triton_kernels import latent_moe as moe
-from tests.host_reads import HostRead, no_host_reads
 from tests.kernels.placement import (
     DEVICE,
     FNUZ_RUNS_HERE,
     FP8_DTYPES_HERE,
     on_device,
 )
+from tests.support.host_reads import HostRead, no_host_reads
 from vllm_k3_plugin.model.reference import mxfp4_decode as ref_mxfp4_decode
 from vllm_k3_plugin.model.reference import route, situ_glu
 

@@ -30,15 +30,16 @@ class Parsed(NamedTuple):
 def load_tokenizer(directory: Path | None = None) -> Any:
     """The real Kimi BPE with the K3 control ids, as vLLM loads a model's tokenizer.
 
-    It is read from the tiny test checkpoint (written once into ``directory``), so
-    vLLM finds a model config beside it as it would for a real checkpoint.
+    It is read from the tiny K3 checkpoint's folder without its weights (written
+    into ``directory``), so vLLM finds a model config beside it as it would for a
+    real checkpoint.
     """
     from vllm.tokenizers import get_tokenizer
 
-    from vllm_k3_plugin.testing.checkpoint import write_tiny_checkpoint
+    from vllm_k3_plugin.tools.tiny import write_tiny_k3_config
 
-    directory = Path(directory or Path(tempfile.gettempdir()) / "vllm-k3-tiny")
-    return get_tokenizer(str(write_tiny_checkpoint(directory)))
+    directory = Path(directory or Path(tempfile.gettempdir()) / "vllm-k3-tokenizer")
+    return get_tokenizer(str(write_tiny_k3_config(directory)))
 
 
 def in_tree_parser_cls(tool_parser: str | None = None) -> type:

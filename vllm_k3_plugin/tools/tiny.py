@@ -145,8 +145,6 @@ def write_tiny_k3_checkpoint(
     from safetensors.torch import save_file
 
     from vllm_k3_plugin.model.reference import mxfp4_encode
-    from vllm_k3_plugin.testing.checkpoint import chat_template
-    from vllm_k3_plugin.tools.tokenizer import write_hf_tokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +167,23 @@ def write_tiny_k3_checkpoint(
         tensors[f"{prefix}{name}.weight_packed"] = packed.contiguous()
         tensors[f"{prefix}{name}.weight_scale"] = scale.contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return write_tiny_k3_config(out_dir, text_only=text_only)
+
+
+def write_tiny_k3_config(out_dir: Path, *, text_only: bool = False) -> Path:
+    """The tiny checkpoint without its weights: config, generation config and
+    tokenizer, what vLLM's tokenizer loader reads (the replay's tokenizer folder)."""
+    import transformers
+
+    from vllm_k3_plugin.tools.tokenizer import chat_template, write_hf_tokenizer
+
+    out_dir = Path(out_dir)
+    text = tiny_text_config()
     config = text_only_config(text) if text_only else k3_config(text)
+    # As every saved config carries it (transformers reads a config without it as
+    # possibly a Mistral tokenizer's, and warns).
+    config["transformers_version"] = transformers.__version__
+    write_hf_tokenizer(out_dir, chat_template())
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {
         "bos_token_id": vocab.BOS_ID,
@@ -177,7 +191,6 @@ def write_tiny_k3_checkpoint(
         "pad_token_id": vocab.PAD_ID,
     }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    write_hf_tokenizer(out_dir, chat_template())
     return out_dir
 
 

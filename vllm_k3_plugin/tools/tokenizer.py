@@ -35,6 +35,13 @@ def ranks_path() -> Path:
     return Path(str(resources.files("vllm_k3_plugin") / "data" / "tiktoken.model"))
 
 
+def chat_template() -> str:
+    """The tiny checkpoints' chat template: the K3 turns, ending the prompt with the
+    K3 generation prefix (thinking on or off)."""
+    data = resources.files("vllm_k3_plugin") / "data"
+    return (data / "chat_template.jinja").read_text()
+
+
 def control_tokens() -> dict[str, int]:
     """All 256 control slots, by name: K3's names, ``<|reserved_token_N|>`` else."""
     named = {**vocab.SPECIAL_TOKENS, **vocab.ADDED_TOKENS}

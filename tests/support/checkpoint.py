@@ -2,7 +2,7 @@
 
 The network is a one-layer Llama (head size 32, which vLLM's CPU attention supports)
 over the full K3 vocabulary; its weights are random and never matter, because the
-tests force every output token (``testing.force``). What matters is real: the
+tests force every output token (``support.force``). What matters is real: the
 tokenizer (the Kimi BPE ranks with the K3 control ids), the stop token, and a chat
 template that ends the prompt with the K3 generation prefix.
 """
@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib import resources
 from pathlib import Path
 
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.tools.tokenizer import write_hf_tokenizer
+from vllm_k3_plugin.tools.tokenizer import chat_template, write_hf_tokenizer
 
 MARKER_FILE = "vllm_k3_tiny.json"
-
-
-def chat_template() -> str:
-    return (resources.files(__package__) / "chat_template.jinja").read_text()
 
 
 def write_tiny_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
