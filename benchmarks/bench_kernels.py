@@ -213,7 +213,7 @@ def routed_tokens(tokens: int, experts: int, top_k: int, latent: int, device):
     model's router over random logits."""
     import torch
 
-    from vllm_k3_plugin.model.reference import route
+    from vllm_k3_plugin.reference.reference import route
 
     z = torch.randn(tokens, latent, device=device)
     logits = torch.randn(tokens, experts, device=device)
@@ -356,8 +356,8 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
         kda_chunk_terms,
         kda_chunk_terms_reference,
     )
-    from vllm_k3_plugin.model import reference as ref
-    from vllm_k3_plugin.model.kda_chunk import chunk_size_for, kda_chunked
+    from vllm_k3_plugin.reference import reference as ref
+    from vllm_k3_plugin.reference.kda_chunk import chunk_size_for, kda_chunked
 
     cuda = device.type == "cuda"
     for tokens, heads, dim in kda_prefill_cases(smoke):
@@ -454,7 +454,7 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
 def bench_attn_res_mix(device, smoke, warmup, repeats):
     import torch
 
-    from vllm_k3_plugin.model.reference import attn_res_mix
+    from vllm_k3_plugin.reference.reference import attn_res_mix
 
     cuda = device.type == "cuda"
     for tokens, sources, hidden in mix_cases(smoke):

@@ -254,7 +254,7 @@ class VllmLatentMoe:
 
     def __init__(self, z, ids, weights, experts, *, beta=4.0, linear_beta=25.0):
         from k3_triton_kernels.latent_moe import quantize_per_row, sort_by_expert
-        from vllm_k3_plugin.model.reference import situ_glu
+        from vllm_k3_plugin.reference.reference import situ_glu
 
         _, get_default_config, _ = fused_moe_parts()
         tokens, latent = z.shape

@@ -133,7 +133,7 @@ def k3_reference_model(tiny_k3_checkpoint):
 
     from safetensors.torch import load_file
 
-    from vllm_k3_plugin.model.torch_model import K3TextModel
+    from vllm_k3_plugin.reference.torch_model import K3TextModel
 
     config = json.loads((tiny_k3_checkpoint / "config.json").read_text())
     model = K3TextModel(config["text_config"])

@@ -1,4 +1,6 @@
-"""Every plugin class that extends a vLLM class still fits the installed vLLM.
+"""Every plugin class that extends a vLLM class still fits the installed vLLM, and so
+does every test-support class the test servers load into vLLM (the forcing logits
+processor, the stand-in executor).
 
 vLLM calls our overrides with its own signatures, and those drift between releases
 (0.33's ``MLAAttention.update_kv_cache`` passes ``do_kv_cache_update`` a seventh
@@ -17,22 +19,27 @@ import pkgutil
 import pytest
 
 import vllm_k3_plugin
+from tests import support
 
 
 def _plugin_classes() -> list[type]:
     """Every class of the package with a vLLM class among its bases, found by
     importing each module, and the GPU MLA backend's classes, which are built on
     first use."""
-    from vllm_k3_plugin.vllm_model.mla_backend import gpu_mla_backend
+    from vllm_k3_plugin.model.mla_backend import gpu_mla_backend
 
     classes = {}
-    for module in pkgutil.walk_packages(
-        vllm_k3_plugin.__path__, vllm_k3_plugin.__name__ + "."
-    ):
-        for value in vars(importlib.import_module(module.name)).values():
+    modules = [
+        module.name
+        for package in (vllm_k3_plugin, support)
+        for module in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
+        if not module.name.endswith(".__main__")  # runs the command line
+    ]
+    for name in modules:
+        for value in vars(importlib.import_module(name)).values():
             if (
                 isinstance(value, type)
-                and value.__module__.startswith("vllm_k3_plugin")
+                and value.__module__.startswith(("vllm_k3_plugin", "tests.support"))
                 and any(_from_vllm(base) for base in value.__mro__[1:])
             ):
                 classes[value.__qualname__] = value

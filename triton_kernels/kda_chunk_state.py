@@ -1,7 +1,7 @@
 """The state pass of the chunked KDA prefill: the Triton kernel, its launcher, and the
 PyTorch reference.
 
-``vllm_k3_plugin.model.kda_chunk`` computes every chunk's state-independent terms at
+``vllm_k3_plugin.reference.kda_chunk`` computes every chunk's state-independent terms at
 once (batched matmuls and two triangular solves); what is left runs chunk after
 chunk, per head, on the ``[K, V]`` fp32 state:
 
@@ -29,7 +29,7 @@ from k3_triton_kernels.runtime import (
     num_warps,
     triton_blocker,
 )
-from vllm_k3_plugin.model.kda_chunk import ChunkTerms, state_pass
+from vllm_k3_plugin.reference.kda_chunk import ChunkTerms, state_pass
 
 kda_state_pass_reference = state_pass
 

@@ -1,7 +1,7 @@
 """The chunk terms of the chunked KDA prefill: the Triton kernel, its launcher, and the
 PyTorch reference.
 
-``vllm_k3_plugin.model.kda_chunk`` splits the prompt into chunks of ``C`` tokens and
+``vllm_k3_plugin.reference.kda_chunk`` splits the prompt into chunks of ``C`` tokens and
 computes, per chunk and head, the terms that do not depend on the state entering the
 chunk (``G`` the cumulative log decay from the chunk start):
 
@@ -32,7 +32,7 @@ from k3_triton_kernels.runtime import (
     num_warps,
     triton_blocker,
 )
-from vllm_k3_plugin.model.kda_chunk import ChunkTerms, chunk_terms
+from vllm_k3_plugin.reference.kda_chunk import ChunkTerms, chunk_terms
 
 kda_chunk_terms_reference = chunk_terms
 

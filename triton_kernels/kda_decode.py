@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from k3_triton_kernels.runtime import log_path, triton_blocker
-from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.reference import reference as ref
 
 # -- PyTorch reference ----------------------------------------------------------------
 

@@ -68,7 +68,7 @@ from k3_triton_kernels.runtime import (
     log_path,
     triton_blocker,
 )
-from vllm_k3_plugin.model.reference import mxfp4_decode, mxfp4_encode, situ_glu
+from vllm_k3_plugin.reference.reference import mxfp4_decode, mxfp4_encode, situ_glu
 
 FP8 = torch.float8_e4m3fn
 MXFP4_BLOCK = 32

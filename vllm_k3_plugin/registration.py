@@ -70,7 +70,7 @@ def register_all() -> None:
     )
 
 
-MODEL_MODULE = "vllm_k3_plugin.vllm_model.model"
+MODEL_MODULE = "vllm_k3_plugin.model.model"
 MODEL_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM")
 
 

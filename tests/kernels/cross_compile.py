@@ -217,8 +217,8 @@ def _cases(fp8: torch.dtype):
         latent_moe,
         mla_decode,
     )
-    from vllm_k3_plugin.model import reference as ref
-    from vllm_k3_plugin.model.kda_chunk import chunk_terms
+    from vllm_k3_plugin.reference import reference as ref
+    from vllm_k3_plugin.reference.kda_chunk import chunk_terms
 
     def mla(q_dtype, cache_dtype, dots=None, **options):
         def call():

@@ -13,8 +13,8 @@ import torch
 from k3_triton_kernels.kda_chunk_state import kda_state_pass, kda_state_pass_reference
 from tests.kernels.placement import on_device
 from tests.support.kda_inputs import kda_inputs
-from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.kda_chunk import chunk_terms, kda_chunked
+from vllm_k3_plugin.reference import reference as ref
+from vllm_k3_plugin.reference.kda_chunk import chunk_terms, kda_chunked
 
 
 def _inputs(tokens, heads, key_dim, value_dim, seed=0):

@@ -20,8 +20,8 @@ from k3_triton_kernels.kda_chunk_terms import (
 )
 from tests.kernels.placement import on_device
 from tests.support.kda_inputs import kda_inputs
-from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.kda_chunk import kda_chunked
+from vllm_k3_plugin.reference import reference as ref
+from vllm_k3_plugin.reference.kda_chunk import kda_chunked
 
 
 def _inputs(*shape, **options):

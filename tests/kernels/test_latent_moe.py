@@ -31,8 +31,8 @@ from tests.kernels.placement import (
     on_device,
 )
 from tests.support.host_reads import HostRead, no_host_reads
-from vllm_k3_plugin.model.reference import mxfp4_decode as ref_mxfp4_decode
-from vllm_k3_plugin.model.reference import route, situ_glu
+from vllm_k3_plugin.reference.reference import mxfp4_decode as ref_mxfp4_decode
+from vllm_k3_plugin.reference.reference import route, situ_glu
 
 
 def _case(tokens, experts, top_k, latent=64, inner=32, seed=0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.reference import reference as ref
 
 
 def kda_inputs(

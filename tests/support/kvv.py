@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-DATA = Path(__file__).parent / "data" / "kvv"
+DATA = Path(__file__).parents[1] / "data" / "kvv"
 RECURSION_DEPTH = 3
 _DEFINITIONS = ("$defs", "definitions")
 

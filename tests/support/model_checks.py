@@ -10,7 +10,7 @@ import httpx
 import torch
 
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.model.torch_model import SequenceState
+from vllm_k3_plugin.reference.torch_model import SequenceState
 
 # fp32 server against the fp32 reference: the two differ by summation order only,
 # typically 1e-7 to 1.5e-5 per logprob, with rare steps near 1.2e-4 (the random router

@@ -1,2 +1,2 @@
-"""The Kimi-K3 text model: PyTorch reference blocks (``reference``), and, later, the
-vLLM model class built from them."""
+"""The Kimi-K3 model class for vLLM: one module per block (KDA, gated MLA, latent
+MoE) and the model with attention residuals and the checkpoint loader."""

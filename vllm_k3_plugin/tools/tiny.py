@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.model.checkpoint_format import (
+from vllm_k3_plugin.reference.checkpoint_format import (
     LANGUAGE_MODEL_PREFIX,
     dense_weight_shapes,
     expert_weight_shapes,
@@ -144,7 +144,7 @@ def write_tiny_k3_checkpoint(
     import torch
     from safetensors.torch import save_file
 
-    from vllm_k3_plugin.model.reference import mxfp4_encode
+    from vllm_k3_plugin.reference.reference import mxfp4_encode
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from vllm_k3_plugin.format.xtml import render_tools
 
 pytestmark = pytest.mark.server
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLES = Path(__file__).parents[2] / "examples"
 CALL = "Need the weather." + render_tools([("get_weather", {"city": "Paris"})])
 ANSWER = "Checked." + vocab.THINK_END + vocab.RESPONSE_START + "Clear in Paris."
 ANSWER += vocab.RESPONSE_END + vocab.MESSAGE_END

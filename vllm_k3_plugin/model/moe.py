@@ -41,7 +41,7 @@ from vllm.platforms import current_platform
 
 from k3_triton_kernels.latent_moe import ExpertWeights, latent_moe
 from k3_triton_kernels.runtime import log_path
-from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.reference import reference as ref
 
 
 def situ_betas(config) -> dict[str, float]:

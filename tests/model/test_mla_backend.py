@@ -16,7 +16,7 @@ import torch
 
 from k3_triton_kernels import mla_decode as kernel
 from tests.support.host_reads import no_host_reads
-from vllm_k3_plugin.vllm_model.mla_backend import (
+from vllm_k3_plugin.model.mla_backend import (
     K3CpuMlaBackend,
     K3CpuMlaImpl,
     gpu_mla_backend,

@@ -21,8 +21,8 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 
-from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
-from vllm_k3_plugin.vllm_model.mla_backend import mla_backend_for_platform
+from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
+from vllm_k3_plugin.model.mla_backend import mla_backend_for_platform
 
 
 class GatedMlaAttention(nn.Module):

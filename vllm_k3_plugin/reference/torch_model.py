@@ -19,8 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.checkpoint_format import WeightShapeError, gate_lower_bound
+from vllm_k3_plugin.reference import reference as ref
+from vllm_k3_plugin.reference.checkpoint_format import (
+    WeightShapeError,
+    gate_lower_bound,
+)
 
 
 @dataclass

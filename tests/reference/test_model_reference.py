@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from vllm_k3_plugin.model import reference as ref
+from vllm_k3_plugin.reference import reference as ref
 
 torch.manual_seed(0)
 

@@ -29,8 +29,8 @@ decide. The PyTorch-path server asserts batch == alone (``test_vllm_model.py``).
 from __future__ import annotations
 
 import pytest
-from model_checks import greedy, prompts
 
+from tests.support.model_checks import greedy, prompts
 from tests.support.server import TINY_K3_ARGS, running_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]

@@ -17,7 +17,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis_jsonschema import from_schema
 from jsonschema import Draft202012Validator
 
-from tests import kvv
+from tests.support import kvv
 from tests.support.k3_ids import marked_rendering
 from vllm_k3_plugin.format import marked, vocab
 from vllm_k3_plugin.format.events import (

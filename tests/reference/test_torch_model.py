@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_k3_plugin.model.torch_model import (
+from vllm_k3_plugin.reference.torch_model import (
     K3TextModel,
     SequenceState,
     WeightShapeError,

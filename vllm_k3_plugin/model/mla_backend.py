@@ -27,7 +27,7 @@ from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from k3_triton_kernels.mla_decode import mla_decode, write_latent
-from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
+from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
 
 PAGE_ALIGNMENT = 16
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")

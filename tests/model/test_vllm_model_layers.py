@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from k3_triton_kernels import latent_moe as moe_kernel
 from tests.support.host_reads import no_host_reads
 from vllm_k3_plugin.envs import KERNELS_ENV
-from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.checkpoint_format import WeightShapeError
+from vllm_k3_plugin.reference import reference as ref
+from vllm_k3_plugin.reference.checkpoint_format import WeightShapeError
 
 
 def engine_config(checkpoint):
@@ -62,7 +62,7 @@ def vllm_config(tiny_k3_checkpoint):
 def build(vllm_config):
     from vllm.config import set_current_vllm_config
 
-    from vllm_k3_plugin.vllm_model.model import KimiK3ForConditionalGeneration
+    from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
 
     def make(kernels: str = "pytorch"):
         """``kernels``: the ``VLLM_K3_KERNELS`` the layers are built under."""
@@ -414,9 +414,9 @@ def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
     """``KimiK3ForCausalLM``: a ``kimi_linear`` config, names without the prefix."""
     from vllm.config import set_current_vllm_config
 
+    from vllm_k3_plugin.model.model import KimiK3ForCausalLM
     from vllm_k3_plugin.registration import register_all
     from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
-    from vllm_k3_plugin.vllm_model.model import KimiK3ForCausalLM
 
     register_all()
     checkpoint = write_tiny_k3_checkpoint(tmp_path, text_only=True)
@@ -513,7 +513,7 @@ def test_the_kernel_path_quantizes_activations_to_the_platforms_fp8(
     and differs from the OCP-e4m3fn result."""
     from types import SimpleNamespace
 
-    from vllm_k3_plugin.vllm_model import moe as moe_module
+    from vllm_k3_plugin.model import moe as moe_module
 
     kernels = _moe(kernel_model, 2)
     z, ids, weights = _routing_case(kernels)
@@ -534,7 +534,7 @@ def test_shapes_the_kernel_cannot_hold_keep_the_pytorch_path_and_say_why(
 ):
     from vllm.config import set_current_vllm_config
 
-    from vllm_k3_plugin.vllm_model.moe import LatentMoe
+    from vllm_k3_plugin.model.moe import LatentMoe
 
     text = vllm_config.model_config.hf_text_config
     config = type(text).from_dict({**text.to_dict(), "moe_intermediate_size": 48})
@@ -553,7 +553,7 @@ def test_shapes_the_kernel_cannot_hold_keep_the_pytorch_path_and_say_why(
 def test_each_rank_takes_its_slice_of_the_packed_experts(monkeypatch):
     """Rank 1 of 2: gate/up rows ``[I/2, I)`` and the down projection's columns
     ``[I/2, I)`` (two values per byte, one scale per 32), exactly."""
-    from vllm_k3_plugin.vllm_model import moe
+    from vllm_k3_plugin.model import moe
 
     monkeypatch.setattr(moe, "get_tensor_model_parallel_rank", lambda: 1)
     latent, inner = 64, 64
@@ -589,7 +589,7 @@ def test_the_latent_cache_is_written_through_vllms_update_kv_cache(
     unwritten."""
     from vllm.model_executor.layers.attention import MLAAttention
 
-    from vllm_k3_plugin.vllm_model.mla_backend import K3CpuMlaImpl
+    from vllm_k3_plugin.model.mla_backend import K3CpuMlaImpl
 
     attn = next(m for m in model.modules() if isinstance(m, MLAAttention))
     assert isinstance(attn.impl, K3CpuMlaImpl)

@@ -7,7 +7,7 @@ per scheduled sequence, which tokens are its own, which cache slot holds its sta
 whether that state is already initialized (a continued prefill or a decode) or not (a
 new request). This layer reads and writes those slots. Prefill chunks run one
 sequence at a time, in windows of bounded memory: the reference conv and gate in
-PyTorch, and the delta rule in its chunked form (``vllm_k3_plugin.model.kda_chunk``).
+PyTorch, and the delta rule in its chunked form (``reference.kda_chunk``).
 With ``VLLM_K3_KERNELS=triton`` the chunk terms run
 ``k3_triton_kernels.kda_chunk_terms``, the chunks' state pass
 ``k3_triton_kernels.kda_chunk_state``, and the batch's decode tokens (one new token of
@@ -49,16 +49,16 @@ from k3_triton_kernels.kda_chunk_state import kda_state_pass
 from k3_triton_kernels.kda_chunk_terms import kda_chunk_terms
 from k3_triton_kernels.kda_decode import kda_decode
 from k3_triton_kernels.runtime import CHUNKED_KDA_MAX_CHUNK, log_path
-from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.checkpoint_format import gate_lower_bound
-from vllm_k3_plugin.model.kda_chunk import (
+from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
+from vllm_k3_plugin.reference import reference as ref
+from vllm_k3_plugin.reference.checkpoint_format import gate_lower_bound
+from vllm_k3_plugin.reference.kda_chunk import (
     chunk_size_for,
     chunk_terms,
     kda_chunked,
     state_pass,
     window_tokens_for,
 )
-from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
 
 
 class SpeculativeKdaUnsupported(NotImplementedError):

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.model.reference import mxfp4_decode
+from vllm_k3_plugin.reference.reference import mxfp4_decode
 from vllm_k3_plugin.tools import tiny
 
 

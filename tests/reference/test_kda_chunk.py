@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.support.kda_inputs import kda_inputs
-from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.kda_chunk import (
+from vllm_k3_plugin.reference import reference as ref
+from vllm_k3_plugin.reference.kda_chunk import (
     WINDOW_BYTES,
     chunk_size_for,
     chunk_terms,

@@ -33,7 +33,7 @@ def test_a_bad_value_names_the_choices(monkeypatch):
 def test_cuda_graphs_on_a_gpu_are_refused_at_load_naming_the_fix(mode):
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_k3_plugin.vllm_model.model import require_eager_on_gpus
+    from vllm_k3_plugin.model.model import require_eager_on_gpus
 
     config = SimpleNamespace(
         compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode])

@@ -37,8 +37,16 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.platforms import current_platform
 
-from vllm_k3_plugin.model import reference as ref
-from vllm_k3_plugin.model.checkpoint_format import (
+from vllm_k3_plugin.model.kda import (
+    KdaAttention,
+    kda_state_dtypes,
+    kda_state_shapes,
+)
+from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
+from vllm_k3_plugin.model.mla import GatedMlaAttention
+from vllm_k3_plugin.model.moe import LatentMoe, SituMlp, situ_betas
+from vllm_k3_plugin.reference import reference as ref
+from vllm_k3_plugin.reference.checkpoint_format import (
     LANGUAGE_MODEL_PREFIX,
     MXFP4_SUFFIXES,
     WeightShapeError,
@@ -46,14 +54,6 @@ from vllm_k3_plugin.model.checkpoint_format import (
     expert_weight_shapes,
     is_kda_layer,
 )
-from vllm_k3_plugin.vllm_model.kda import (
-    KdaAttention,
-    kda_state_dtypes,
-    kda_state_shapes,
-)
-from vllm_k3_plugin.vllm_model.kernel_choice import use_triton_kernels
-from vllm_k3_plugin.vllm_model.mla import GatedMlaAttention
-from vllm_k3_plugin.vllm_model.moe import LatentMoe, SituMlp, situ_betas
 
 logger = init_logger("vllm.k3_plugin.model")
 

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_k3_plugin.model.reference import starting_state
+from vllm_k3_plugin.reference.reference import starting_state
 
 EXPONENT_SPAN = 80.0
 MAX_CHUNK = 64

@@ -10,8 +10,13 @@ there are fewer nodes than ranks; an explicit binding of one core per rank serve
 from __future__ import annotations
 
 import pytest
-from model_checks import assert_close, greedy_concurrently, prompts, reference_logprobs
 
+from tests.support.model_checks import (
+    assert_close,
+    greedy_concurrently,
+    prompts,
+    reference_logprobs,
+)
 from tests.support.server import TINY_K3_ARGS, running_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.endpoints import ENDPOINTS, chat, chat_stream
-from tests.test_server_tools import TOOL_SHAPES
+from tests.support.expected_tools import TOOL_SHAPES
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.vocab import RESPONSE_END
 from vllm_k3_plugin.tools.shapes import QUOTED_JSON, SHAPES, SKIPPED_REPLY, output_ids
