@@ -245,7 +245,7 @@ def mix_cases(smoke: bool):
 def bench_kda(device, smoke, warmup, repeats):
     import torch
 
-    from k3_triton_kernels import kda_decode as kda
+    from k3_triton_kernels.kda import decode as kda
 
     cuda = device.type == "cuda"
     for batch, heads, dim in kda_cases(smoke):
@@ -351,8 +351,8 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
     (what the chunking alone wins)."""
     import torch
 
-    from k3_triton_kernels.kda_chunk_state import kda_state_pass
-    from k3_triton_kernels.kda_chunk_terms import (
+    from k3_triton_kernels.kda.chunk_state import kda_state_pass
+    from k3_triton_kernels.kda.chunk_terms import (
         kda_chunk_terms,
         kda_chunk_terms_reference,
     )
@@ -488,7 +488,7 @@ def bench_attn_res_mix(device, smoke, warmup, repeats):
 def bench_mla(device, smoke, warmup, repeats):
     import torch
 
-    from k3_triton_kernels import mla_decode as k
+    from k3_triton_kernels.mla import decode as k
 
     heads, dv, dpe, page = 16, 512, 64, 64
     # The FP8 cache (--kv-cache-dtype fp8), and on a GPU the bf16 one (the default
@@ -620,7 +620,7 @@ def _vllm_moe(z, ids, weights, packed, warmup, repeats, cuda):
 def bench_moe(device, smoke, warmup, repeats):
     import torch
 
-    from k3_triton_kernels import latent_moe as moe
+    from k3_triton_kernels.moe import latent_moe as moe
 
     for tokens, experts, top_k, latent, inner in moe_cases(smoke):
         torch.manual_seed(0)

@@ -93,7 +93,7 @@ MLA_VARIANTS = {
 
 
 def compare_mla(device, shapes: Shapes) -> None:
-    from k3_triton_kernels import mla_decode as mla
+    from k3_triton_kernels.mla import decode as mla
 
     cache_dtypes = {"fp8": mla.FP8_DTYPES[0], "bf16": torch.bfloat16}
     for cache_label, cache_dtype in cache_dtypes.items():
@@ -102,7 +102,7 @@ def compare_mla(device, shapes: Shapes) -> None:
 
 
 def compare_mla_shape(device, batch, context, cache_label, cache_dtype) -> None:
-    from k3_triton_kernels import mla_decode as mla
+    from k3_triton_kernels.mla import decode as mla
 
     cuda = device.type == "cuda"
     microseconds = functools.partial(graph_microseconds, cuda=cuda)
@@ -163,7 +163,7 @@ def output_and_gate_up(run) -> tuple[torch.Tensor, torch.Tensor]:
     """``run``'s output, and its gate/up GEMM's SiTU output (before its
     requantization): the same FP8 inputs for every variant, so that gap is the
     accumulation's alone."""
-    from k3_triton_kernels import latent_moe as moe
+    from k3_triton_kernels.moe import latent_moe as moe
 
     recorded = []
     quantize = moe.quantize_rows
@@ -185,7 +185,7 @@ def output_and_gate_up(run) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def compare_moe(device, shapes: Shapes) -> None:
-    from k3_triton_kernels import latent_moe as moe
+    from k3_triton_kernels.moe import latent_moe as moe
 
     microseconds = functools.partial(graph_microseconds, cuda=device.type == "cuda")
     num_experts, top_k, latent, inner = shapes.moe

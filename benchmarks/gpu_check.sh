@@ -10,8 +10,8 @@
 #
 # `prepare` copies the vLLM files benchmarks/vllm_baselines.py reads (vLLM's own
 # Triton kernels, run without importing vLLM) from this checkout's .venv into
-# .vllm_src/ (git-ignored), keeping vLLM's layout. The run puts this checkout on
-# PYTHONPATH with triton_kernels/ under its import name k3_triton_kernels (no pip
+# .vllm_src/ (git-ignored), keeping vLLM's layout. The run puts this checkout and
+# triton_kernels/ (the folder holding k3_triton_kernels) on PYTHONPATH (no pip
 # install there), and writes the benchmark table and its JSON (saved after each
 # section) and the test log to $OUT.
 set -uo pipefail
@@ -32,9 +32,8 @@ if [[ "${1:-}" == "prepare" ]]; then
 fi
 
 OUT="${OUT:-/tmp/k3-gpu-check}"
-mkdir -p "$OUT" /tmp/k3-path
-ln -sfn "$PWD/triton_kernels" /tmp/k3-path/k3_triton_kernels
-export PYTHONPATH="/tmp/k3-path:$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/triton_kernels:$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 [[ -d .vllm_src ]] && export VLLM_SRC="$PWD/.vllm_src"
 PY="${PYTHON:-python3}"

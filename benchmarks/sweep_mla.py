@@ -39,7 +39,7 @@ SMOKE_MULTIPROCESSORS = 2
 
 
 def inputs(batch: int, context: int, device):
-    from k3_triton_kernels import mla_decode as k
+    from k3_triton_kernels.mla import decode as k
 
     pages = math.ceil(context / PAGE)
     cache = torch.randn(batch * pages, PAGE, WIDTH, device=device).to(k.FP8_DTYPES[0])
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
 
 
 def sweep(device, shapes, sms: int) -> None:
-    from k3_triton_kernels import mla_decode as k
+    from k3_triton_kernels.mla import decode as k
 
     microseconds = functools.partial(graph_microseconds, cuda=device.type == "cuda")
     started = time.time()

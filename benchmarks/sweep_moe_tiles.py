@@ -45,7 +45,7 @@ def sweep(
     packed, fmt, tokens, z, ids, weights, microseconds, large_batch=LARGE_BATCH
 ) -> tuple[float, list[str]]:
     """The default tiles' time and the four fastest configurations of ``fmt``."""
-    from k3_triton_kernels import latent_moe as moe
+    from k3_triton_kernels.moe import latent_moe as moe
 
     default = moe.default_tiles(fmt, tokens)
     large = tokens >= large_batch
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
 
 
 def run_sweeps(device, shape, token_counts, large_batch) -> None:
-    from k3_triton_kernels import latent_moe as moe
+    from k3_triton_kernels.moe import latent_moe as moe
 
     microseconds = functools.partial(graph_microseconds, cuda=device.type == "cuda")
     num_experts, top_k, latent, inner = shape

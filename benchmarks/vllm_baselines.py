@@ -244,7 +244,7 @@ class VllmLatentMoe:
     """The latent MoE on vLLM's ``fused_moe_kernel`` GEMMs with vLLM's default tile
     config (one for both GEMMs, as vLLM's ``fused_experts`` takes it): FP8
     per-channel (per-token activations) or 128 x 128 block (1 x 128 activation
-    groups) weights from ``k3_triton_kernels.latent_moe``.
+    groups) weights from ``k3_triton_kernels.moe.latent_moe``.
 
     Built once on its inputs: ``output`` is the MoE's result ``[T, L]`` fp32, and
     ``gemms()`` runs the two GEMMs again on the inputs prepared here (the sort, the
@@ -253,7 +253,7 @@ class VllmLatentMoe:
     count."""
 
     def __init__(self, z, ids, weights, experts, *, beta=4.0, linear_beta=25.0):
-        from k3_triton_kernels.latent_moe import quantize_per_row, sort_by_expert
+        from k3_triton_kernels.moe.latent_moe import quantize_per_row, sort_by_expert
         from vllm_k3_plugin.reference.reference import situ_glu
 
         _, get_default_config, _ = fused_moe_parts()

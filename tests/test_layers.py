@@ -1,21 +1,41 @@
 """The import rules between the package's layers (arrows one way).
 
-``vllm_k3_plugin.format`` (the output format and its readers) imports the standard
-library and itself only: checked on its source, and by importing every module of it
-in a process where vLLM, torch and the rest of the package cannot be imported.
+- ``vllm_k3_plugin.format`` (the output format and its readers) imports the standard
+  library and itself only: checked on its source, and by importing every module of it
+  in a process where vLLM, torch and the rest of the package cannot be imported.
+- ``k3_triton_kernels`` imports nothing of the plugin (the same two checks); of the
+  plugin, only ``model/`` and ``reference/`` import the kernels.
+- The repository's ``triton_kernels/`` folder never stands in for the package of that
+  name vLLM imports, whatever the working directory.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FORMAT = ROOT / "vllm_k3_plugin" / "format"
+PLUGIN = ROOT / "vllm_k3_plugin"
+FORMAT = PLUGIN / "format"
+KERNELS = ROOT / "triton_kernels" / "k3_triton_kernels"
+
+
+def run_python(code: str, cwd: Path, env: dict | None = None):
+    """``code`` in a fresh interpreter started in ``cwd``."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -71,14 +91,95 @@ BLOCKED_IMPORT = textwrap.dedent(
 
 
 def test_the_format_core_imports_with_vllm_and_torch_unavailable():
-    done = subprocess.run(
-        [sys.executable, "-c", BLOCKED_IMPORT],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = run_python(BLOCKED_IMPORT, ROOT)
     assert done.returncode == 0, done.stderr
     modules = {f"vllm_k3_plugin.format.{path.stem}" for path in FORMAT.glob("*.py")}
     modules = {name.removesuffix(".__init__") for name in modules}
     assert set(json.loads(done.stdout)) == {"vllm_k3_plugin", *modules}
+
+
+def test_the_kernels_import_nothing_of_the_plugin():
+    inward = {
+        str(path.relative_to(KERNELS)): sorted(names)
+        for path in sorted(KERNELS.rglob("*.py"))
+        if (names := {n for n in imported_modules(path) if n.startswith("vllm")})
+    }
+    assert not inward, f"the kernels import the plugin or vLLM: {inward}"
+
+
+def test_only_the_model_and_its_reference_import_the_kernels():
+    importers = sorted(
+        str(path.relative_to(PLUGIN))
+        for path in PLUGIN.rglob("*.py")
+        if any(name.startswith("k3_triton_kernels") for name in imported_modules(path))
+    )
+    assert importers
+    assert all(path.startswith(("model/", "reference/")) for path in importers), (
+        importers
+    )
+
+
+KERNELS_ALONE = textwrap.dedent(
+    """
+    import importlib, pkgutil, sys
+
+    class Blocked:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("vllm", "vllm_k3_plugin"):
+                raise ImportError(f"blocked: {name}")
+            return None
+
+    sys.meta_path.insert(0, Blocked())
+    import k3_triton_kernels as kernels
+
+    for module in pkgutil.walk_packages(kernels.__path__, "k3_triton_kernels."):
+        importlib.import_module(module.name)
+    """
+)
+
+
+def test_the_kernels_import_with_the_plugin_and_vllm_unavailable(tmp_path):
+    done = run_python(KERNELS_ALONE, tmp_path)
+    assert done.returncode == 0, done.stderr
+
+
+IMPORT_TRITON_KERNELS = "import triton_kernels; print(triton_kernels.__file__)"
+
+
+def test_the_triton_kernels_folder_hands_over_to_the_installed_package(tmp_path):
+    """Started in the repository root (its folders first on ``sys.path``), ``import
+    triton_kernels`` gets the installed package, or fails as if none were
+    installed: never the repository's folder."""
+    installed = tmp_path / "site" / "triton_kernels"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(installed.parent)}
+    found = run_python(IMPORT_TRITON_KERNELS, ROOT, env)
+    assert found.returncode == 0, found.stderr
+    assert Path(found.stdout.strip()) == installed / "__init__.py"
+    env.pop("PYTHONPATH")
+    missing = run_python(IMPORT_TRITON_KERNELS, ROOT, env)
+    assert "ModuleNotFoundError" in missing.stderr, missing.stdout
+
+
+VLLM_TRITON_KERNELS = textwrap.dedent(
+    """
+    import importlib.util, sys
+    if importlib.util.find_spec("vllm.third_party.triton_kernels") is None:
+        print("no copy")
+    else:
+        from vllm.utils.import_utils import has_triton_kernels
+        assert has_triton_kernels()
+        print(sys.modules["triton_kernels"].__file__)
+    """
+)
+
+
+def test_vllm_started_in_the_repository_root_finds_its_own_triton_kernels():
+    """vLLM prefers an installed ``triton_kernels`` and falls back to its bundled copy
+    (0.33); from the repository root it must still reach one of those."""
+    done = run_python(VLLM_TRITON_KERNELS, ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = done.stdout.strip()
+    if found != "no copy":
+        assert not found.startswith(str(ROOT / "triton_kernels")), found

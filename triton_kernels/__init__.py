@@ -1,12 +1,29 @@
-"""Triton kernels for Kimi-K3, installed as ``k3_triton_kernels``.
+"""Not a package to import: this folder holds ``k3_triton_kernels``, installed under
+that name.
 
-vLLM imports a package named ``triton_kernels``; this folder is mapped to another import
-name in ``pyproject.toml`` so it never shadows it.
-
-- ``mla_decode``: MLA decode attention over the paged (FP8 or BF16) latent cache;
-- ``latent_moe``: the latent fused MoE, FP8 activations, FP8 or MXFP4 experts.
-
-Each launcher takes its Triton kernel where it applies and otherwise its PyTorch
-reference; which one a process uses is logged once per kernel and reason
-(``runtime.log_path``), under the ``vllm.k3_plugin.kernels`` logger.
+vLLM imports a package named ``triton_kernels``. Where this folder's parent is on
+``sys.path`` (Python started in the repository root), ``import triton_kernels`` finds
+this file first; it hands over to the real package found further along ``sys.path``,
+or fails as if none were installed, so that vLLM falls back to its own copy
+(``vllm.third_party.triton_kernels``). Not shipped in the wheel.
 """
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.machinery.PathFinder.find_spec(
+    __name__,
+    [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _HERE],
+)
+if _spec is None or _spec.loader is None:
+    raise ModuleNotFoundError(
+        f"No module named {__name__!r} (the repository's {__name__}/ folder holds "
+        "k3_triton_kernels)",
+        name=__name__,
+    )
+_module = importlib.util.module_from_spec(_spec)
+sys.modules[__name__] = _module
+_spec.loader.exec_module(_module)

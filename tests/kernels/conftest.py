@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from k3_triton_kernels import (
-    kda_chunk_state,
-    kda_chunk_terms,
-    kda_decode,
-    latent_moe,
-    mla_decode,
-)
+from k3_triton_kernels.kda import chunk_state as kda_chunk_state
+from k3_triton_kernels.kda import chunk_terms as kda_chunk_terms
+from k3_triton_kernels.kda import decode as kda_decode
+from k3_triton_kernels.mla import decode as mla_decode
+from k3_triton_kernels.moe import latent_moe
 from k3_triton_kernels.runtime import log_path
 
 KERNEL_MODULES = (kda_chunk_state, kda_chunk_terms, kda_decode, latent_moe, mla_decode)

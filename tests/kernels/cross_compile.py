@@ -210,13 +210,11 @@ def spilled_bytes(compiled) -> int | None:
 
 def _cases(fp8: torch.dtype):
     """(name, module, call) for every launcher, at K3's kernel configs."""
-    from k3_triton_kernels import (
-        kda_chunk_state,
-        kda_chunk_terms,
-        kda_decode,
-        latent_moe,
-        mla_decode,
-    )
+    from k3_triton_kernels.kda import chunk_state as kda_chunk_state
+    from k3_triton_kernels.kda import chunk_terms as kda_chunk_terms
+    from k3_triton_kernels.kda import decode as kda_decode
+    from k3_triton_kernels.mla import decode as mla_decode
+    from k3_triton_kernels.moe import latent_moe
     from vllm_k3_plugin.reference import reference as ref
     from vllm_k3_plugin.reference.kda_chunk import chunk_terms
 

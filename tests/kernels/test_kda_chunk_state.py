@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3_triton_kernels.kda_chunk_state import kda_state_pass, kda_state_pass_reference
+from k3_triton_kernels.kda.chunk_state import kda_state_pass, kda_state_pass_reference
 from tests.kernels.placement import on_device
 from tests.support.kda_inputs import kda_inputs
 from vllm_k3_plugin.reference import reference as ref

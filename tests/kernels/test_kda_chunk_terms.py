@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3_triton_kernels.kda_chunk_state import kda_state_pass
-from k3_triton_kernels.kda_chunk_terms import (
+from k3_triton_kernels.kda.chunk_state import kda_state_pass
+from k3_triton_kernels.kda.chunk_terms import (
     kda_chunk_terms,
     kda_chunk_terms_reference,
 )

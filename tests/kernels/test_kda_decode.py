@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3_triton_kernels import kda_decode as kernel
+from k3_triton_kernels.kda import decode as kernel
 from tests.kernels.placement import DEVICE
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3_triton_kernels import latent_moe as moe
+from k3_triton_kernels.moe import latent_moe as moe
 from tests.kernels.placement import (
     DEVICE,
     FNUZ_RUNS_HERE,

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from k3_triton_kernels import mla_decode as kernel
+from k3_triton_kernels.mla import decode as kernel
 from tests.kernels.placement import (
     DEVICE,
     FP8_DTYPES_HERE,

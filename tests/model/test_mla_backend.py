@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3_triton_kernels import mla_decode as kernel
+from k3_triton_kernels.mla import decode as kernel
 from tests.support.host_reads import no_host_reads
 from vllm_k3_plugin.model.mla_backend import (
     K3CpuMlaBackend,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from k3_triton_kernels import latent_moe as moe_kernel
+from k3_triton_kernels.moe import latent_moe as moe_kernel
 from tests.support.host_reads import no_host_reads
 from vllm_k3_plugin.envs import KERNELS_ENV
 from vllm_k3_plugin.reference import reference as ref
@@ -383,7 +383,9 @@ def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
     generator = torch.Generator().manual_seed(2)
     prompts = torch.randn(8, 64, generator=generator)
     steps = [torch.randn(2, 64, generator=generator) for _ in range(3)]
-    from k3_triton_kernels import kda_chunk_state, kda_chunk_terms, kda_decode
+    from k3_triton_kernels.kda import chunk_state as kda_chunk_state
+    from k3_triton_kernels.kda import chunk_terms as kda_chunk_terms
+    from k3_triton_kernels.kda import decode as kda_decode
 
     def not_the_kernel(*args, **kwargs):
         raise AssertionError("the kernel path fell back to its reference")

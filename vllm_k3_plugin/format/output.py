@@ -97,6 +97,36 @@ class OutputReader:
         return out
 
 
+class ContentGate:
+    """Holds content while it is whitespace only.
+
+    A reply that makes tool calls and says nothing but whitespace has no content
+    (``None``, as OpenAI returns it). Streamed, that is only known at the end, so
+    leading whitespace waits until words arrive or the output ends; both paths apply
+    this one rule (and ``vllm-k3 replay``, which counts a reply as answered by it).
+    """
+
+    __slots__ = ("_held", "_open")
+
+    def __init__(self) -> None:
+        self._held: list[str] = []
+        self._open = False
+
+    def pass_through(self, text: str) -> str:
+        if self._open or not text:
+            return text
+        if text.isspace():
+            self._held.append(text)
+            return ""
+        self._open = True
+        held, self._held = "".join(self._held), []
+        return held + text
+
+    def close(self, *, tool_calls_made: bool) -> str:
+        held, self._held = "".join(self._held), []
+        return "" if tool_calls_made else held
+
+
 def collect_output(events: list[OutputEvent]) -> OutputReading:
     reasoning, content, calls = split_events(events)
     return OutputReading(

@@ -9,9 +9,9 @@ new request). This layer reads and writes those slots. Prefill chunks run one
 sequence at a time, in windows of bounded memory: the reference conv and gate in
 PyTorch, and the delta rule in its chunked form (``reference.kda_chunk``).
 With ``VLLM_K3_KERNELS=triton`` the chunk terms run
-``k3_triton_kernels.kda_chunk_terms``, the chunks' state pass
-``k3_triton_kernels.kda_chunk_state``, and the batch's decode tokens (one new token of
-an initialized sequence) ``k3_triton_kernels.kda_decode`` in one launch; else all
+``k3_triton_kernels.kda.chunk_terms``, the chunks' state pass
+``k3_triton_kernels.kda.chunk_state``, and the batch's decode tokens (one new token of
+an initialized sequence) ``k3_triton_kernels.kda.decode`` in one launch; else all
 three stay in PyTorch.
 
 Heads shard over tensor parallelism; every rank keeps the state of its own heads.
@@ -45,9 +45,9 @@ from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from k3_triton_kernels.kda_chunk_state import kda_state_pass
-from k3_triton_kernels.kda_chunk_terms import kda_chunk_terms
-from k3_triton_kernels.kda_decode import kda_decode
+from k3_triton_kernels.kda.chunk_state import kda_state_pass
+from k3_triton_kernels.kda.chunk_terms import kda_chunk_terms
+from k3_triton_kernels.kda.decode import kda_decode
 from k3_triton_kernels.runtime import CHUNKED_KDA_MAX_CHUNK, log_path
 from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
 from vllm_k3_plugin.reference import reference as ref

@@ -1,5 +1,5 @@
 """The MLA attention backends K3's MLA layers use: vLLM's MLA backends with their
-decode replaced by ``k3_triton_kernels.mla_decode``.
+decode replaced by ``k3_triton_kernels.mla.decode``.
 
 - CPU (``K3_CPU_MLA``): vLLM's CPU MLA backend decodes with a kernel built for
   16-token pages only, while a hybrid model's pages must hold a KDA layer's whole
@@ -26,7 +26,7 @@ import torch
 from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-from k3_triton_kernels.mla_decode import mla_decode, write_latent
+from k3_triton_kernels.mla.decode import mla_decode, write_latent
 from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
 
 PAGE_ALIGNMENT = 16

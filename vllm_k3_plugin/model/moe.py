@@ -13,7 +13,7 @@ The routed experts arrive MXFP4-packed. Two paths, chosen when the layer is buil
 - ``pytorch``: the loader decodes each expert to the model dtype (every e2m1 value
   times its power-of-two scale, exactly) and the experts run as PyTorch matmuls;
 - ``triton``: the packed bytes and scales stay as they are, stacked per projection
-  (``w13`` = gate rows then up rows), and ``k3_triton_kernels.latent_moe`` runs them
+  (``w13`` = gate rows then up rows), and ``k3_triton_kernels.moe.latent_moe`` runs them
   as W4A8 (activations in the platform's FP8, ``float8_e4m3fn`` or gfx94x's
   ``float8_e4m3fnuz``, with per-token scales). It needs this rank's slice of the
   intermediate dimension to be a whole number of 32-wide MXFP4 scale blocks; where
@@ -39,7 +39,7 @@ from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.platforms import current_platform
 
-from k3_triton_kernels.latent_moe import ExpertWeights, latent_moe
+from k3_triton_kernels.moe.latent_moe import ExpertWeights, latent_moe
 from k3_triton_kernels.runtime import log_path
 from vllm_k3_plugin.reference import reference as ref
 

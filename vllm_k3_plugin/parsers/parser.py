@@ -33,7 +33,7 @@ from vllm_k3_plugin.format.events import (
     Content,
     Reasoning,
 )
-from vllm_k3_plugin.format.output import OutputReader, collect_output
+from vllm_k3_plugin.format.output import ContentGate, OutputReader, collect_output
 from vllm_k3_plugin.format.reasoning import (
     Channel,
     ReasoningReader,
@@ -64,36 +64,6 @@ def _reasoning_wanted(request: Any) -> bool:
     return getattr(request, "include_reasoning", True) is not False
 
 
-class _ContentGate:
-    """Holds content while it is whitespace only.
-
-    A reply that makes tool calls and says nothing but whitespace has no content
-    (``None``, as OpenAI returns it). Streamed, that is only known at the end, so
-    leading whitespace waits until words arrive or the output ends; both paths apply
-    this one rule.
-    """
-
-    __slots__ = ("_held", "_open")
-
-    def __init__(self) -> None:
-        self._held: list[str] = []
-        self._open = False
-
-    def pass_through(self, text: str) -> str:
-        if self._open or not text:
-            return text
-        if text.isspace():
-            self._held.append(text)
-            return ""
-        self._open = True
-        held, self._held = "".join(self._held), []
-        return held + text
-
-    def close(self, *, tool_calls_made: bool) -> str:
-        held, self._held = "".join(self._held), []
-        return "" if tool_calls_made else held
-
-
 class _Stream:
     """Per-request streaming state; nothing here grows with the reasoning."""
 
@@ -113,7 +83,7 @@ class _Stream:
         self.prompt_len = prompt_len
         self.output_len = 0
         self.last_id: int | None = None
-        self.content_gate = _ContentGate()
+        self.content_gate = ContentGate()
         self.calls: ToolCallDeltas | None = None
         # Another tool parser's streaming API wants the tools channel so far, whole.
         self.tool_text = ""
@@ -240,7 +210,7 @@ class K3Parser(DelegatingParser):
             reasoning, content = reading.reasoning, reading.content
             tool_calls = self._other_tool_calls(reading.tool_markup, request)
         record_output(calls_cut=self.calls_cut, stopped=stopped)
-        gate = _ContentGate()
+        gate = ContentGate()
         content = gate.pass_through(content) + gate.close(
             tool_calls_made=bool(tool_calls)
         )

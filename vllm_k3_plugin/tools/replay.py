@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from vllm_k3_plugin.format import marked, vocab
-from vllm_k3_plugin.format.output import OutputReader, collect_output
+from vllm_k3_plugin.format.output import ContentGate, OutputReader, collect_output
 from vllm_k3_plugin.format.reasoning import Channel
 from vllm_k3_plugin.tools.capture import iter_records
 
@@ -84,6 +84,11 @@ def read_output(output: Output, chunks: Iterable[Chunk]) -> Read:
     events += reader.finish(stopped=output.finish_reason == "stop")
     reading = collect_output(events)
     calls = tuple((c.name, c.arguments) for c in reading.calls)
+    # The content a server returns: whitespace alone beside tool calls is none.
+    gate = ContentGate()
+    content = gate.pass_through(reading.content) + gate.close(
+        tool_calls_made=bool(calls)
+    )
     features = (
         getattr(atoms, "quoted_atoms", 0),
         sum(not c.complete for c in reading.calls),
@@ -91,7 +96,7 @@ def read_output(output: Output, chunks: Iterable[Chunk]) -> Read:
         reader.prose_chars,
     )
     replayed = reader.reasoning_reader.replayed
-    return Read(reading.reasoning, reading.content, calls, replayed, features)
+    return Read(reading.reasoning, content, calls, replayed, features)
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """The state pass of the chunked KDA prefill: the Triton kernel, its launcher, and the
 PyTorch reference.
 
-``vllm_k3_plugin.reference.kda_chunk`` computes every chunk's state-independent terms at
-once (batched matmuls and two triangular solves); what is left runs chunk after
+The chunked KDA (``naive.chunk_terms``) computes every chunk's state-independent terms
+at once (batched matmuls and two triangular solves); what is left runs chunk after
 chunk, per head, on the ``[K, V]`` fp32 state:
 
     w = pseudo_values − state_weights · S         [C, V]
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from k3_triton_kernels.kda.naive import ChunkTerms, state_pass
 from k3_triton_kernels.runtime import (
     chunked_kda_tile_blocker,
     log_path,
     num_warps,
     triton_blocker,
 )
-from vllm_k3_plugin.reference.kda_chunk import ChunkTerms, state_pass
 
 kda_state_pass_reference = state_pass
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from k3_triton_kernels.kda import naive as ref
 from k3_triton_kernels.runtime import log_path, triton_blocker
-from vllm_k3_plugin.reference import reference as ref
 
 # -- PyTorch reference ----------------------------------------------------------------
 

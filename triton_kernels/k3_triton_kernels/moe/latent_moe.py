@@ -61,6 +61,8 @@ from typing import NamedTuple
 import torch
 
 from k3_triton_kernels import runtime
+from k3_triton_kernels.moe.naive import situ_glu
+from k3_triton_kernels.mxfp4 import MXFP4_BLOCK, mxfp4_decode, mxfp4_encode
 from k3_triton_kernels.runtime import (
     E4M3_EXPONENT_BIAS,
     E4M3_NAN_BYTE,
@@ -68,10 +70,8 @@ from k3_triton_kernels.runtime import (
     log_path,
     triton_blocker,
 )
-from vllm_k3_plugin.reference.reference import mxfp4_decode, mxfp4_encode, situ_glu
 
 FP8 = torch.float8_e4m3fn
-MXFP4_BLOCK = 32
 SCALE_BLOCK = 128
 
 

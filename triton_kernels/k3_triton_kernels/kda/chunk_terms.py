@@ -1,8 +1,8 @@
 """The chunk terms of the chunked KDA prefill: the Triton kernel, its launcher, and the
 PyTorch reference.
 
-``vllm_k3_plugin.reference.kda_chunk`` splits the prompt into chunks of ``C`` tokens and
-computes, per chunk and head, the terms that do not depend on the state entering the
+The chunked KDA (``naive.chunk_terms``) splits the prompt into chunks of ``C`` tokens
+and computes, per chunk and head, the terms that do not depend on the state entering the
 chunk (``G`` the cumulative log decay from the chunk start):
 
     A          = β ⊙ strictly_lower((e^G ⊙ k)(e^{−G} ⊙ k)ᵀ)     [C, C]
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import torch
 
+from k3_triton_kernels.kda.naive import ChunkTerms, chunk_terms
 from k3_triton_kernels.runtime import (
     chunked_kda_tile_blocker,
     log_path,
     num_warps,
     triton_blocker,
 )
-from vllm_k3_plugin.reference.kda_chunk import ChunkTerms, chunk_terms
 
 kda_chunk_terms_reference = chunk_terms
 
