@@ -160,6 +160,12 @@ def test_the_triton_kernels_folder_hands_over_to_the_installed_package(tmp_path)
     env.pop("PYTHONPATH")
     missing = run_python(IMPORT_TRITON_KERNELS, ROOT, env)
     assert "ModuleNotFoundError" in missing.stderr, missing.stdout
+    # The repository reached twice, through a symlink and its real path.
+    link = tmp_path / "link"
+    link.symlink_to(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(link), str(ROOT)])
+    twice = run_python(IMPORT_TRITON_KERNELS, tmp_path, env)
+    assert "ModuleNotFoundError" in twice.stderr, twice.stderr[-2000:]
 
 
 VLLM_TRITON_KERNELS = textwrap.dedent(

@@ -13,12 +13,22 @@ import importlib.util
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN = os.path.realpath(__file__)
+_FOLDER_PARENT = os.path.dirname(os.path.dirname(_OWN))
+# Every entry that reaches this folder, by any spelling (relative, '', a symlink).
 _spec = importlib.machinery.PathFinder.find_spec(
     __name__,
-    [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _HERE],
+    [
+        entry
+        for entry in sys.path
+        if os.path.realpath(entry or os.curdir) != _FOLDER_PARENT
+    ],
 )
-if _spec is None or _spec.loader is None:
+if (
+    _spec is None
+    or _spec.loader is None
+    or os.path.realpath(_spec.origin or "") == _OWN
+):
     raise ModuleNotFoundError(
         f"No module named {__name__!r} (the repository's {__name__}/ folder holds "
         "k3_triton_kernels)",

@@ -1,8 +1,8 @@
 """vllm-k3-plugin: Kimi-K3 parsers for vLLM, loaded as a ``vllm.general_plugins`` entry.
 
 ``register()`` runs in every vLLM process (API server, engine core, workers). It is
-cheap and idempotent: it imports only vLLM's parser registries and our adapter module,
-and registers each thing once per process.
+cheap and idempotent: it imports only vLLM's registries and ``registration``, and
+registers each thing once per process (``registration`` says what and why).
 """
 
 from __future__ import annotations

@@ -236,6 +236,34 @@ def test_6_the_unseparated_think_exit_needs_the_next_element():
     assert (reading.reasoning, reading.content) == ("Hm more.", "")
 
 
+def test_6_a_channel_marker_spelled_with_a_space_is_that_marker():
+    """``<|open|>think <|sep|>`` at the start of a thinking-off output opens the
+    output's own think channel, replayed as the reply like the plain opener."""
+    for opener in (vocab.THINK_START, f"{OPEN}think {SEP}"):
+        reading, _ = read(RESPONSE, Control(opener), "The answer.", END)
+        assert (reading.reasoning, reading.content) == ("The answer.", "The answer.")
+
+
+def test_6_the_stop_token_text_never_completes_a_tag():
+    """With ``include_stop_str_in_output`` the stop token's text follows the output;
+    a tag it interrupts is still a tag cut off at the end, as without that text."""
+    for start, pieces in (
+        (
+            THINK,
+            ("The answer.", Control(vocab.RESPONSE_END + vocab.THINK_END_UNSEPARATED)),
+        ),
+        (RESPONSE, ("Use ", Control(OPEN), "foo bar")),
+    ):
+        text, ids = encode(*pieces)
+        ids.append(vocab.END_OF_MSG_ID)
+        readings = []
+        for stop_text in ("", vocab.END_OF_MSG):
+            reader = OutputReader(start, atoms=id_atoms())
+            events = reader.feed(text + stop_text, ids) + reader.finish(stopped=True)
+            readings.append(collect_output(events))
+        assert readings[0] == readings[1]
+
+
 def test_9_the_stop_token_text_never_closes_a_call():
     """With ``include_stop_str_in_output`` vLLM keeps the stop token's text; the call
     is still cut there, as it is when the text is dropped."""

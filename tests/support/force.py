@@ -1,6 +1,7 @@
 """A test-only logits processor that makes the model write chosen token ids.
 
-Serve with ``--logits-processors tests.support.force:ForceTokens`` and send
+Serve with ``--logits-processors support.force:ForceTokens`` (``tests/`` on the
+server's path) and send
 ``vllm_xargs={"k3_force_ids": [id, ...]}`` (chat completions, responses and messages
 all accept it). Step ``n`` of the output may only be ``ids[n]``; past the list the
 model may only write the stop token, so a forced request always ends. To end a forced

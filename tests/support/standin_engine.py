@@ -5,9 +5,9 @@ here. Everything above the model still does: ``vllm serve``'s CLI, plugin loadin
 the renderer, the serving classes, the engine core process with its scheduler and
 stop checking, the output processor and the detokenizer. This module replaces only
 the executor (``--distributed-executor-backend
-tests.support.standin_engine.ForcedTokenExecutor``): it holds no model and
-no KV cache, and "samples" what a request forces, under the contract of the forcing
-logits processor (``support.force``): output step ``n`` is
+support.standin_engine.ForcedTokenExecutor``, ``tests/`` on the server's path): it
+holds no model and no KV cache, and "samples" what a request forces, under the
+contract of the forcing logits processor (``support.force``): output step ``n`` is
 ``vllm_xargs.k3_force_ids[n]``, and past the list the stop token. A request without
 forced ids gets the stop token at once.
 

@@ -119,12 +119,8 @@ FRAMING = (
     SEP,
 )
 
-# The single-token atoms of the framing: none may appear in content, not even joined
-# from the text on the two sides of dropped framing.
+# The single-token atoms of the framing (as control ids, never content).
 CONTROL_ATOMS = (OPEN, CLOSE, SEP, END_OF_MSG)
-# What content carries between two pieces of text that would otherwise join into a
-# control atom: a zero-width space.
-ATOM_BREAK = "\u200b"
 
 # Every marker the reasoning reader distinguishes.
 REASONING_MARKERS = (
