@@ -13,6 +13,7 @@ import torch
 from k3_triton_kernels.kda.chunk_state import kda_state_pass, kda_state_pass_reference
 from tests.kernels.placement import on_device
 from tests.support.kda_inputs import kda_inputs
+from tests.support.tensors import assert_close
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.kda_chunk import chunk_terms, kda_chunked
 
@@ -23,10 +24,6 @@ def _inputs(tokens, heads, key_dim, value_dim, seed=0):
     inputs = kda_inputs(tokens, heads, key_dim, value_dim, seed=seed + 1)
     *inputs, state = on_device(*inputs, state)
     return tuple(inputs), state
-
-
-def _close(got, expected, fraction=1e-5):
-    return (got - expected).abs().max() <= fraction * expected.abs().max()
 
 
 @pytest.mark.parametrize(
@@ -43,14 +40,16 @@ def test_kernel_matches_the_pytorch_state_pass(tokens, heads, key_dim, value_dim
     terms = chunk_terms(*inputs, chunk=16)
     expected_out, expected_state = kda_state_pass_reference(terms, state.clone())
     got_out, got_state = kda_state_pass(terms, state.clone())
-    assert _close(got_out, expected_out) and _close(got_state, expected_state)
+    assert_close(got_out, expected_out, of_peak=1e-5, what="out")
+    assert_close(got_state, expected_state, of_peak=1e-5, what="state")
 
 
 def test_kernel_prefill_matches_the_per_token_definition():
     inputs, state = _inputs(37, 2, 64, 64, seed=3)
     got, got_state = kda_chunked(*inputs, state, run_state_pass=kda_state_pass)
     expected, expected_state = ref.kda_recurrence(*inputs, state)
-    assert _close(got, expected) and _close(got_state, expected_state)
+    assert_close(got, expected, of_peak=1e-5, what="out")
+    assert_close(got_state, expected_state, of_peak=1e-5, what="state")
 
 
 def test_kernel_updates_the_state_in_place():

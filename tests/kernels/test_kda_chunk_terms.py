@@ -20,6 +20,7 @@ from k3_triton_kernels.kda.chunk_terms import (
 )
 from tests.kernels.placement import on_device
 from tests.support.kda_inputs import kda_inputs
+from tests.support.tensors import assert_close
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.kda_chunk import kda_chunked
 
@@ -30,9 +31,7 @@ def _inputs(*shape, **options):
 
 def _assert_terms_close(got, expected, fraction=1e-5):
     for name, a, b in zip(got._fields, got, expected, strict=True):
-        assert a.shape == b.shape, name
-        bound = fraction * b.abs().max().clamp_min(1e-30)
-        assert (a - b).abs().max() <= bound, name
+        assert_close(a, b, of_peak=fraction, peak_floor=1e-30, what=name)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from tests.kernels.placement import (
     on_device,
 )
 from tests.support.host_reads import HostRead, no_host_reads
+from tests.support.tensors import assert_close
 from vllm_k3_plugin.reference.reference import mxfp4_decode as ref_mxfp4_decode
 from vllm_k3_plugin.reference.reference import route, situ_glu
 
@@ -50,11 +51,6 @@ def _agrees(got, expected):
     row_error = ((got - expected).abs().amax(dim=-1) / scale).tolist()
     flipped = [error for error in row_error if error > 1e-4]
     return 4 * len(flipped) <= len(row_error) and max(row_error) <= 2**-4
-
-
-def _close(got, expected, fraction):
-    scale = expected.abs().max().clamp_min(1e-6)
-    return (got - expected).abs().max() <= fraction * scale
 
 
 BUILDERS = {
@@ -184,7 +180,7 @@ def test_the_down_gemms_launch_order_leaves_the_output_as_it_is(fmt):
     exact = {"imprecise_products": 0}  # as the reference comparisons
     by_columns = moe.latent_moe(z, ids, weights, packed, **exact)
     by_rows = moe.latent_moe(z, ids, weights, packed, down_rows_first=True, **exact)
-    assert _close(by_rows, by_columns, 1e-6)
+    assert_close(by_rows, by_columns, of_peak=1e-6, peak_floor=1e-6, what="by rows")
     assert _agrees(by_columns, moe.latent_moe_reference(z, ids, weights, packed))
 
 
@@ -435,7 +431,8 @@ def test_fnuz_activations_and_weights_for_gfx94x(fmt):
     got = moe.latent_moe(z, ids, weights, packed, fp8_dtype=fp8_dtype)
     expected = moe.latent_moe_reference(z, ids, weights, packed, fp8_dtype=fp8_dtype)
     assert _agrees(got, expected)
-    assert _close(got, moe.latent_moe_reference(z, ids, weights, ocp), 0.1)
+    want = moe.latent_moe_reference(z, ids, weights, ocp)
+    assert_close(got, want, of_peak=0.1, peak_floor=1e-6, what="moe out")
     assert not torch.equal(got, moe.latent_moe(z, ids, weights, ocp))
 
 
@@ -471,7 +468,7 @@ def test_fp8_is_close_to_unquantized_math():
             gate_up = w13[e] @ z[t]
             h = situ_glu(gate_up[:32], gate_up[32:])
             exact[t] += weights[t, slot] * (w2[e] @ h)
-    assert _close(got, exact, 0.1)
+    assert_close(got, exact, of_peak=0.1, peak_floor=1e-6, what="moe out")
 
 
 def test_mxfp4_weights_decode_like_the_checkpoint_reader():

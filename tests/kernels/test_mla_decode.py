@@ -18,6 +18,7 @@ from tests.kernels.placement import (
     FP8_DTYPES_HERE,
     on_device,
 )
+from tests.support.tensors import assert_close
 
 SCALE = 1 / math.sqrt(192)
 FP8 = FP8_DTYPES_HERE
@@ -50,8 +51,8 @@ def _compare(q, cache, table, lens, *, dv=512, kv_scale=1.0, **launch):
     ref_out, ref_lse = kernel.mla_decode_reference(
         q, cache, table, lens, value_dim=dv, softmax_scale=SCALE, kv_scale=kv_scale
     )
-    assert torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4)
-    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert_close(out, ref_out, atol=0.0001, rtol=0.0001, what="out")
+    assert_close(lse, ref_lse, atol=0.0001, rtol=0.0001, what="lse")
 
 
 @pytest.mark.parametrize("dtype", [*FP8, torch.bfloat16, torch.float32], ids=str)
@@ -131,7 +132,7 @@ def test_eight_speculative_rows_see_their_own_prefix():
     alone, _ = kernel.mla_decode(
         q[1:, :1], cache, table[1:], torch.tensor([2], dtype=torch.int32, device=DEVICE)
     )
-    assert torch.allclose(out[1, 0], alone[0, 0], atol=1e-5)
+    assert_close(out[1, 0], alone[0, 0], atol=1e-05, rtol=1e-05, what="out[1, 0]")
 
 
 def test_fp8_cache_stays_close_to_the_unquantized_one():
@@ -155,7 +156,7 @@ def test_write_latent_applies_the_scale():
     slots = torch.tensor([0, 5, 7], device=DEVICE)
     kernel.write_latent(cache, slots, latent, kv_scale=2.0)
     stored = cache.view(-1, 32)[[0, 5, 7]].float() * 2.0
-    assert torch.allclose(stored, latent, rtol=2**-4, atol=2.0 * 2**-9)
+    assert_close(stored, latent, atol=2.0 * 2 ** (-9), rtol=2 ** (-4), what="stored")
 
 
 def test_the_narrowest_latent_a_dot_takes_runs_on_the_kernel():
@@ -226,7 +227,7 @@ def test_bf16_queries_run_tensor_core_dots_within_the_weight_rounding(
     largest_value = cache[..., :512].float().abs().max() * 0.25
     bound = 2**-8 if fmt == "bf16" else 2**-11
     assert (out - ref_out).abs().max() <= bound * largest_value + 1e-4
-    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert_close(lse, ref_lse, atol=0.0001, rtol=0.0001, what="lse")
     # The weights really are rounded: the fp32 path on the same values differs.
     fp32_out, _ = kernel.mla_decode(q.float(), cache, table, seq_lens, kv_scale=0.25)
     assert kernel.dot_format(q.float(), cache) == "fp32"
@@ -271,7 +272,7 @@ def test_fp16_dots_keep_bf16_queries_of_any_magnitude(overall):
     q = (q / q.abs() * magnitudes * overall).to(torch.bfloat16)
     out, lse = kernel.mla_decode(q, cache, table, lens, kv_scale=16.0)
     ref_out, ref_lse = kernel.mla_decode(q.float(), cache, table, lens, kv_scale=16.0)
-    assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert_close(lse, ref_lse, atol=1e-05, rtol=1e-05, what="lse")
     largest = cache[..., :512].float().abs().max() * 16.0
     assert (out - ref_out).abs().max() <= 2**-11 * largest + 1e-4 * largest
 
@@ -377,4 +378,4 @@ def test_prefetch_keeps_each_formats_bound(cache_dtype, dots, bound):
     )
     largest = cache[..., :512].float().abs().max() * 0.5
     assert (out - ref_out).abs().max() <= bound * largest + 1e-4
-    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert_close(lse, ref_lse, atol=0.0001, rtol=0.0001, what="lse")

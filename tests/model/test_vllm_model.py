@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from tests.support.model_checks import (
-    assert_close,
+    assert_logprobs_close,
     greedy,
     greedy_concurrently,
     prompts,
@@ -82,8 +82,10 @@ def test_logprobs_equal_the_reference_model(alone, k3_reference_model):
     for ids, got in zip(prompts(), alone, strict=True):
         want = reference_logprobs(k3_reference_model, ids, got.tokens)
         assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
-        assert_close(got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}")
-        assert_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
+        assert_logprobs_close(
+            got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}"
+        )
+        assert_logprobs_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
 
 
 def test_greedy_is_repeatable_alone(model_server, alone):
@@ -96,16 +98,18 @@ def test_a_batch_of_eight_gives_what_each_gives_alone(model_server, alone):
         batch = greedy_concurrently(model_server, prompts())
         for ids, got, single in zip(prompts(), batch, alone, strict=True):
             assert got.tokens == single.tokens, f"prompt of {len(ids)} tokens"
-            assert_close(got.logprobs, single.logprobs, f"batched {len(ids)}")
-            assert_close(got.prompt_logprobs, single.prompt_logprobs, "prefill")
+            assert_logprobs_close(got.logprobs, single.logprobs, f"batched {len(ids)}")
+            assert_logprobs_close(
+                got.prompt_logprobs, single.prompt_logprobs, "prefill"
+            )
 
 
 def test_two_interleaved_requests_give_what_each_gives_alone(model_server, alone):
     short, long = prompts()[2], prompts()[7]
     pair = greedy_concurrently(model_server, [long, short])
     assert pair[0].tokens == alone[7].tokens and pair[1].tokens == alone[2].tokens
-    assert_close(pair[0].logprobs, alone[7].logprobs, "long, interleaved")
-    assert_close(pair[1].logprobs, alone[2].logprobs, "short, interleaved")
+    assert_logprobs_close(pair[0].logprobs, alone[7].logprobs, "long, interleaved")
+    assert_logprobs_close(pair[1].logprobs, alone[2].logprobs, "short, interleaved")
 
 
 def test_chat_completions_streamed_and_not_agree(model_server):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.model_checks import (
-    assert_close,
+    assert_logprobs_close,
     greedy_concurrently,
     prompts,
     reference_logprobs,
@@ -50,5 +50,7 @@ def test_tp2_gives_the_reference_tokens_and_logprobs(tp2_server, k3_reference_mo
     for ids, got in zip(batch, greedy_concurrently(tp2_server, batch), strict=True):
         want = reference_logprobs(k3_reference_model, ids, got.tokens)
         assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
-        assert_close(got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}")
-        assert_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
+        assert_logprobs_close(
+            got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}"
+        )
+        assert_logprobs_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.support.kda_inputs import kda_inputs
+from tests.support.tensors import assert_close
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.kda_chunk import (
     WINDOW_BYTES,
@@ -21,10 +22,6 @@ from vllm_k3_plugin.reference.kda_chunk import (
     state_pass,
     window_tokens_for,
 )
-
-
-def _close(got, expected, fraction=1e-5):
-    return (got - expected).abs().max() <= fraction * expected.abs().max()
 
 
 def test_chunk_length_keeps_the_exponents_finite():
@@ -58,7 +55,8 @@ def test_chunked_matches_the_recurrence(tokens, heads, key_dim, value_dim, with_
     out, final = kda_chunked(*inputs, state)
     expected_out, expected_final = ref.kda_recurrence(*inputs, state)
     assert out.shape == expected_out.shape
-    assert _close(out, expected_out) and _close(final, expected_final)
+    assert_close(out, expected_out, of_peak=1e-5, what="out")
+    assert_close(final, expected_final, of_peak=1e-5, what="state")
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, -20.0, -0.5])
@@ -69,7 +67,8 @@ def test_gates_at_their_lower_bound_stay_finite_and_exact(lower_bound):
     out, final = kda_chunked(*inputs, state, lower_bound=lower_bound)
     expected_out, expected_final = ref.kda_recurrence(*inputs, state)
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
-    assert _close(out, expected_out) and _close(final, expected_final)
+    assert_close(out, expected_out, of_peak=1e-5, what="out")
+    assert_close(final, expected_final, of_peak=1e-5, what="state")
 
 
 def test_a_prompt_split_anywhere_carries_its_state():
@@ -79,7 +78,8 @@ def test_a_prompt_split_anywhere_carries_its_state():
     for lo, hi in ((0, 5), (5, 21), (21, 22), (22, 53)):
         out, state = kda_chunked(*(x[lo:hi] for x in inputs), state)
         pieces.append(out)
-    assert _close(torch.cat(pieces), whole) and _close(state, whole_state)
+    assert_close(torch.cat(pieces), whole, of_peak=1e-5, what="out")
+    assert_close(state, whole_state, of_peak=1e-5, what="state")
 
 
 @pytest.mark.parametrize("window_tokens", [16, 40, 1])
@@ -88,7 +88,8 @@ def test_a_long_prompt_runs_in_bounded_windows_with_the_same_result(window_token
     inputs = kda_inputs(75, 2, 16, 16)
     whole, whole_state = kda_chunked(*inputs)
     windowed, windowed_state = kda_chunked(*inputs, window_tokens=window_tokens)
-    assert _close(windowed, whole, 1e-6) and _close(windowed_state, whole_state, 1e-6)
+    assert_close(windowed, whole, of_peak=1e-6, what="out")
+    assert_close(windowed_state, whole_state, of_peak=1e-6, what="state")
 
 
 def test_no_tokens_returns_the_state_unchanged():
@@ -107,7 +108,8 @@ def test_gates_below_the_bound_are_read_at_the_bound():
     out, final = kda_chunked(q, k, v, g, beta)
     expected_out, expected_final = ref.kda_recurrence(q, k, v, g.clamp(min=-5.0), beta)
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
-    assert _close(out, expected_out) and _close(final, expected_final)
+    assert_close(out, expected_out, of_peak=1e-5, what="out")
+    assert_close(final, expected_final, of_peak=1e-5, what="state")
 
 
 @pytest.fixture

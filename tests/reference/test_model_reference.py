@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from tests.support.tensors import assert_close
 from vllm_k3_plugin.reference import reference as ref
 
 torch.manual_seed(0)
@@ -37,7 +38,13 @@ def test_situ_mlp_takes_the_gate_half_first():
     down = torch.randn(8, 6, dtype=torch.float64)
     gate, up = x @ gate_up[:6].T, x @ gate_up[6:].T
     expected = ref.situ_glu(gate, up) @ down.T
-    assert torch.allclose(ref.situ_mlp(x, gate_up, down), expected, rtol=1e-12)
+    assert_close(
+        ref.situ_mlp(x, gate_up, down),
+        expected,
+        atol=1e-08,
+        rtol=1e-12,
+        what="ref.situ_mlp(x, gate_up, down)",
+    )
 
 
 # -- MXFP4 ----------------------------------------------------------------------------
@@ -181,8 +188,12 @@ def test_kda_recurrence_matches_the_elementwise_rule():
     inputs = _kda_inputs()
     out, state = ref.kda_recurrence(*inputs)
     expected_out, expected_state = _kda_elementwise(*inputs)
-    assert torch.allclose(out.double(), expected_out, atol=1e-5)
-    assert torch.allclose(state.double(), expected_state, atol=1e-5)
+    assert_close(
+        out.double(), expected_out, atol=1e-05, rtol=1e-05, what="out.double()"
+    )
+    assert_close(
+        state.double(), expected_state, atol=1e-05, rtol=1e-05, what="state.double()"
+    )
 
 
 def test_kda_state_carries_across_chunks():
@@ -193,8 +204,10 @@ def test_kda_state_carries_across_chunks():
         chunk = [x[lo:hi] for x in inputs]
         out, state = ref.kda_recurrence(*chunk, state=state)
         pieces.append(out)
-    assert torch.allclose(torch.cat(pieces), whole, atol=1e-6)
-    assert torch.allclose(state, whole_state, atol=1e-6)
+    assert_close(
+        torch.cat(pieces), whole, atol=1e-06, rtol=1e-05, what="torch.cat(pieces)"
+    )
+    assert_close(state, whole_state, atol=1e-06, rtol=1e-05, what="state")
 
 
 def test_kda_matches_transformers_kimi_linear():
@@ -212,8 +225,8 @@ def test_kda_matches_transformers_kimi_linear():
         None,
         True,
     )
-    assert torch.allclose(ours, theirs[0].float(), atol=1e-5)
-    assert torch.allclose(ours_state, theirs_state[0], atol=1e-5)
+    assert_close(ours, theirs[0].float(), atol=1e-05, rtol=1e-05, what="ours")
+    assert_close(ours_state, theirs_state[0], atol=1e-05, rtol=1e-05, what="ours_state")
 
 
 def test_causal_conv_carries_its_state():
@@ -225,10 +238,18 @@ def test_causal_conv_carries_its_state():
     direct = torch.stack(
         [(padded[t : t + 4] * weight[:, 0].T).sum(0) for t in range(10)]
     )
-    assert torch.allclose(whole, torch.nn.functional.silu(direct), rtol=1e-12)
+    assert_close(
+        whole, torch.nn.functional.silu(direct), atol=1e-08, rtol=1e-12, what="whole"
+    )
     first, state = ref.causal_conv_silu(x[:7], weight)
     rest, state = ref.causal_conv_silu(x[7:], weight, state)
-    assert torch.allclose(torch.cat([first, rest]), whole, rtol=1e-12)
+    assert_close(
+        torch.cat([first, rest]),
+        whole,
+        atol=1e-08,
+        rtol=1e-12,
+        what="torch.cat([first, rest])",
+    )
     assert torch.equal(state, whole_state)
 
 
@@ -247,7 +268,7 @@ def test_attn_res_mix_is_a_softmax_over_scaled_dot_products():
         top = max(logits)
         e = [math.exp(z - top) for z in logits]
         expected = sum(w / sum(e) * s[t] for w, s in zip(e, sources))
-        assert torch.allclose(got[t], expected, rtol=1e-12)
+        assert_close(got[t], expected, atol=1e-08, rtol=1e-12, what="got[t]")
 
 
 @pytest.mark.parametrize(("layers", "block_size"), [(7, 3), (12, 4), (5, 12), (9, 1)])
@@ -306,7 +327,7 @@ def test_attn_res_stack_matches_a_literal_transcription(layers, block_size):
     complete = -(-layers // block_size)
     final_partial = span(start_of(layers - 1), layers)
     expected = mix("final", [*(block(j) for j in range(complete)), final_partial])
-    assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
+    assert_close(got, expected, atol=1e-12, rtol=1e-10, what="got")
 
 
 def test_attn_res_layer_plan():

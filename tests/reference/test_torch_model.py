@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.tensors import assert_close
 from vllm_k3_plugin.reference.torch_model import (
     K3TextModel,
     SequenceState,
@@ -46,7 +47,9 @@ def test_one_prefill_equals_chunks_then_single_steps(model):
     state = SequenceState()
     pieces = [model(PROMPT[:5], state), model(PROMPT[5:9], state)]
     pieces += [model(PROMPT[i : i + 1], state) for i in range(9, len(PROMPT))]
-    assert torch.allclose(torch.cat(pieces), whole, atol=1e-4)
+    assert_close(
+        torch.cat(pieces), whole, atol=0.0001, rtol=1e-05, what="torch.cat(pieces)"
+    )
     assert state.length == len(PROMPT)
     # 4 KDA layers hold state; 2 MLA layers hold one latent per token.
     assert len(state.kda) == 4
@@ -59,11 +62,19 @@ def test_two_sequences_do_not_share_state(model):
     first, second = SequenceState(), SequenceState()
     interleaved = [model(PROMPT[:6], first), model(other[:2], second)]
     interleaved += [model(PROMPT[6:], first), model(other[2:], second)]
-    assert torch.allclose(torch.cat([interleaved[0], interleaved[2]]), alone, atol=1e-4)
-    assert torch.allclose(
+    assert_close(
+        torch.cat([interleaved[0], interleaved[2]]),
+        alone,
+        atol=0.0001,
+        rtol=1e-05,
+        what="torch.cat([interleaved[0], interleaved[2]])",
+    )
+    assert_close(
         torch.cat([interleaved[1], interleaved[3]]),
         model(other, SequenceState()),
-        atol=1e-4,
+        atol=0.0001,
+        rtol=1e-05,
+        what="torch.cat([interleaved[1], interleaved[3]])",
     )
 
 

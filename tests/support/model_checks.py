@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
+from tests.support.tensors import assert_close
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.reference.torch_model import SequenceState
 
@@ -95,7 +96,11 @@ def reference_logprobs(model, ids: list[int], generated: list[int]) -> Greedy:
     )
 
 
-def assert_close(got: list[float], want: list[float], what: str) -> None:
-    assert len(got) == len(want), what
-    worst = max((abs(a - b) for a, b in zip(got, want, strict=True)), default=0.0)
-    assert worst <= LOGPROB_TOLERANCE, f"{what}: logprobs differ by {worst:.2e}"
+def assert_logprobs_close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} logprobs, expected {len(want)}"
+    assert_close(
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(want, dtype=torch.float64),
+        atol=LOGPROB_TOLERANCE,
+        what=f"{what} logprobs",
+    )
