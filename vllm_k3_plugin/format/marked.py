@@ -17,7 +17,10 @@ Two markers of the text, one per source:
   in BPE is then read as structure).
 
 Both are chunk-invariant and hold back at most an atom's length minus one character
-(a suffix that may be the start of an atom).
+(a suffix that may be the start of an atom), and a stop token's text at the end
+(``<|end_of_msg|>``, kept with ``include_stop_str_in_output``): it reaches the
+readers only if more of the output follows it, so an output reads the same with and
+without that text.
 """
 
 from __future__ import annotations
@@ -84,12 +87,22 @@ def _undecided_start(text: str) -> int:
 
 
 class _HeldTail:
-    """Holds back a suffix that may still become an atom string."""
+    """Holds back a suffix that may still become an atom string, and a stop token's
+    mark until more of the output follows it."""
 
-    __slots__ = ("_held",)
+    __slots__ = ("_held", "_stop")
 
     def __init__(self) -> None:
         self._held = ""
+        self._stop = ""
+
+    def _stop_held(self, out: str) -> str:
+        """``out`` after the stop mark held before it, holding a new one at its end."""
+        if self._stop and out:
+            out, self._stop = self._stop + out, ""
+        if out.endswith(END_OF_MSG):
+            out, self._stop = out[:-1], END_OF_MSG
+        return out
 
     def _decided(self, text: str) -> tuple[str, bool]:
         """The text now decided, and whether it may hold an atom string."""
@@ -102,9 +115,11 @@ class _HeldTail:
         return buf[:cut], True
 
     def finish(self) -> str:
-        """The held suffix: the start of an atom that never came, so text."""
+        """The held suffix: the start of an atom that never came, so text (after a
+        held stop mark, which is dropped when nothing follows it)."""
         held, self._held = self._held, ""
-        return held
+        stop, self._stop = self._stop, ""
+        return stop + held if held else ""
 
 
 class TextAtoms(_HeldTail):
@@ -113,10 +128,10 @@ class TextAtoms(_HeldTail):
     __slots__ = ()
 
     def mark(self, text: str, ids: Sequence[int] | None = None) -> str:
-        if not self._held and _ATOM_START not in text:
+        if not self._held and not self._stop and _ATOM_START not in text:
             return text  # the usual step: nothing held, no atom can start
         body, may_hold = self._decided(text)
-        return marked(body) if may_hold else body
+        return self._stop_held(marked(body) if may_hold else body)
 
 
 class AtomTokens:
@@ -225,12 +240,12 @@ class IdAtoms(_HeldTail):
                 self._recent.append(ids[0])
             else:
                 self._read_ids(ids)
-        if not self._held and _ATOM_START not in text:
+        if not self._held and not self._stop and _ATOM_START not in text:
             return text
         body, may_hold = self._decided(text)
         if not may_hold or not self._pending:
-            return body
-        return _ATOM_RE.sub(self._name, body)
+            return self._stop_held(body)
+        return self._stop_held(_ATOM_RE.sub(self._name, body))
 
     def _read_ids(self, ids: Sequence[int]) -> None:
         """Queue the atoms ``ids`` spell. Plain tokens (the bulk) are skipped in C:

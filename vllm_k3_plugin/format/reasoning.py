@@ -130,7 +130,6 @@ class ReasoningReader:
         "_run_kind",
         "_scanner",
         "_tag",
-        "_tag_at_stop",
         "_tools_held",
         "think_blocks",
     )
@@ -160,9 +159,6 @@ class ReasoningReader:
         self._tools_held: list[str] | None = None
         # A tag after an opener or closer atom, outside the tools channel.
         self._tag: TagText | None = None
-        # The stop token's text came after the tag: the tag is cut if the output
-        # ends there, and ended by that atom if anything follows.
-        self._tag_at_stop = False
         # After an answer closer in the think channel: the closer, whitespace and
         # framing that followed it, undecided until words, an exit or the end come.
         self._closer_pending = False
@@ -214,7 +210,7 @@ class ReasoningReader:
         # A marker cut off at the end is not a marker: it starts with a control
         # atom, and is dropped wherever it stands.
         self._scanner.finish()
-        self._tag, self._tag_at_stop = None, False  # a tag cut off: a cut marker
+        self._tag = None  # a tag cut off: a cut marker too
         if self._tools_held is not None:
             self._quote_tools_opener()
         if self._channel is Channel.THINK and self._block_origin is None:
@@ -290,10 +286,7 @@ class ReasoningReader:
 
     def _on_text(self, text: str) -> None:
         if self._tag is not None:
-            if self._tag_at_stop:
-                self._end_tag(at_separator=False)
-                self._on_text(text)
-            elif not self._tag.add(text):
+            if not self._tag.add(text):
                 self._end_tag(at_separator=False)
             return
         if self._tools_held is not None:
@@ -316,17 +309,9 @@ class ReasoningReader:
 
     def _on_marker(self, marker: str) -> None:
         if self._tag is not None:
-            if self._tag_at_stop:
-                self._end_tag(at_separator=False)
-            elif marker == m.END_OF_MSG:
-                # The stop token's text (kept with ``include_stop_str_in_output``):
-                # if the output ends here, the tag is cut, as without that text.
-                self._tag_at_stop = True
+            self._end_tag(at_separator=marker == m.SEP)
+            if marker == m.SEP:
                 return
-            else:
-                self._end_tag(at_separator=marker == m.SEP)
-                if marker == m.SEP:
-                    return
         if self._tools_held is not None:
             if marker in _CALL_STARTS:
                 held, self._tools_held = self._tools_held, None
@@ -355,7 +340,6 @@ class ReasoningReader:
         element spells, an element dropped whole, or text where it stands (its atom
         dropped)."""
         tag, self._tag = self._tag, None
-        self._tag_at_stop = False
         if not tag.ends_whole(at_separator=at_separator):
             self._at_offset_zero = False
             if tag.text:

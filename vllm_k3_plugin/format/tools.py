@@ -157,7 +157,6 @@ class ToolCallReader:
         "_space",
         "_state",
         "_tag",
-        "_tag_at_stop",
         "_typed",
         "_value",
         "_value_end",
@@ -179,9 +178,6 @@ class ToolCallReader:
         self._typed: list[str] = []
         # A tag being read, after its atom.
         self._tag: TagText | None = None
-        # The stop token's text came after the tag: cut if the output ends there,
-        # ended by that atom if anything follows.
-        self._tag_at_stop = False
         # Between elements: whitespace held until words show it is prose, and
         # whether the current run between two elements has words.
         self._space: list[str] = []
@@ -206,7 +202,7 @@ class ToolCallReader:
             return []
         self._events = events = []
         self._read(self._atoms.finish())
-        self._tag, self._tag_at_stop = None, False  # a cut marker
+        self._tag = None  # a cut marker
         if self._state is _State.VALUE and self._value is _Value.TYPED:
             raw, self._typed = "".join(self._typed), []
             self._emit(raw)
@@ -254,13 +250,7 @@ class ToolCallReader:
 
     def _atom(self, mark: str) -> None:
         if self._tag is not None:
-            if self._tag_at_stop:
-                self._end_tag(at_separator=False)
-            elif mark == m.END_OF_MSG:
-                self._tag_at_stop = True
-                return
-            else:
-                self._end_tag(at_separator=mark == m.SEP)
+            self._end_tag(at_separator=mark == m.SEP)
             if mark == m.SEP:
                 return
         if mark == m.OPEN or mark == m.CLOSE:
@@ -271,10 +261,7 @@ class ToolCallReader:
 
     def _text(self, text: str) -> None:
         if self._tag is not None:
-            if self._tag_at_stop:
-                self._end_tag(at_separator=False)
-                self._text(text)
-            elif not self._tag.add(text):
+            if not self._tag.add(text):
                 self._end_tag(at_separator=False)
             return
         state = self._state
@@ -314,7 +301,6 @@ class ToolCallReader:
         """The next atom came, or the text stopped reading as a tag: an element's
         tag, or no tag (its atom dropped, its text where it stands)."""
         tag, self._tag = self._tag, None
-        self._tag_at_stop = False
         if tag.ends_whole(at_separator=at_separator):
             if tag.opener:
                 self._on_opener(tag.text)
