@@ -492,12 +492,9 @@ def bench_mla(device, smoke, warmup, repeats):
 
     heads, dv, dpe, page = 16, 512, 64, 64
     # The FP8 cache (--kv-cache-dtype fp8), and on a GPU the bf16 one (the default
-    # without it), each with the variants worth a row: FP8 also with prefetch
-    # (opt-in until timed).
-    caches = [(k.FP8_DTYPES[0], ((None, {}), ("prefetch", {"prefetch": True})))]
-    if not smoke:
-        caches.append((torch.bfloat16, ((None, {}),)))
-    for (batch, context, heads), (cache_dtype, variants) in itertools.product(
+    # without it).
+    caches = [k.FP8_DTYPES[0]] if smoke else [k.FP8_DTYPES[0], torch.bfloat16]
+    for (batch, context, heads), cache_dtype in itertools.product(
         mla_cases(smoke), caches
     ):
         pages_per_seq = math.ceil(context / page)
@@ -515,36 +512,31 @@ def bench_mla(device, smoke, warmup, repeats):
         cuda = device.type == "cuda"
 
         baseline = _vllm_mla(q, cache, table, lens, warmup, repeats, cuda)
-        for variant, options in variants:
-            if variant is not None and smoke:
-                continue
 
-            def run_ours(
-                q=q, cache=cache, table=table, lens=lens, context=context, o=options
-            ):
-                return k.mla_decode(q, cache, table, lens, max_seq_len=context, **o)
+        def run_ours(q=q, cache=cache, table=table, lens=lens, context=context):
+            return k.mla_decode(q, cache, table, lens, max_seq_len=context)
 
-            ours = timed(run_ours, warmup=warmup, repeats=repeats, cuda=cuda)
-            moved = (
-                batch * context * (dv + dpe) * cache.element_size()
-                + q.numel() * q.element_size()
-                + batch * heads * dv * 4
-            )
-            flops = 2 * batch * heads * context * ((dv + dpe) + dv)
-            kernel = "mla_decode" + (f"[{variant}]" if variant else "")
-            if cache_dtype == torch.bfloat16:
-                kernel += "[bf16 cache]"
-            row = {
-                "kernel": kernel,
-                "shape": f"B={batch} ctx={context} H={heads}",
-                "s": ours,
-                "eager_s": wall_timed(run_ours, warmup=1, repeats=repeats, cuda=cuda),
-                "bytes": moved,
-                "flops": flops,
-            }
-            _side_by_side(row, baseline, run_ours()[0][:, 0])
-            row["baseline"] = "vLLM decode_attention_fwd"
-            yield row
+        ours = timed(run_ours, warmup=warmup, repeats=repeats, cuda=cuda)
+        moved = (
+            batch * context * (dv + dpe) * cache.element_size()
+            + q.numel() * q.element_size()
+            + batch * heads * dv * 4
+        )
+        flops = 2 * batch * heads * context * ((dv + dpe) + dv)
+        kernel = "mla_decode"
+        if cache_dtype == torch.bfloat16:
+            kernel += "[bf16 cache]"
+        row = {
+            "kernel": kernel,
+            "shape": f"B={batch} ctx={context} H={heads}",
+            "s": ours,
+            "eager_s": wall_timed(run_ours, warmup=1, repeats=repeats, cuda=cuda),
+            "bytes": moved,
+            "flops": flops,
+        }
+        _side_by_side(row, baseline, run_ours()[0][:, 0])
+        row["baseline"] = "vLLM decode_attention_fwd"
+        yield row
         del cache
 
 
@@ -601,23 +593,29 @@ def _side_by_side(row, result, ours) -> None:
     row["vllm_note"] = f"outputs {float(gap):.1e} apart (of the largest)"
 
 
-def _vllm_moe(z, ids, weights, packed, warmup, repeats, cuda):
+def _vllm_moe(z, ids, weights, w13, w2, warmup, repeats, cuda):
     """vLLM's two ``fused_moe_kernel`` GEMMs with its default tile config, on the
-    same FP8 weights and routing (per-token activations for per-channel weights,
-    1x128 groups for 128x128 blocks), timed alone: the sort, the FP8 activations
-    and the SiTU between them are prepared once, untimed (``vllm_baselines``); and
-    the MoE's output."""
+    same experts quantized to FP8 per channel (per-token activations), timed alone:
+    the sort, the FP8 activations and the SiTU between them are prepared once,
+    untimed (``vllm_baselines``); its output and its reference's."""
     try:
         from vllm_baselines import VllmLatentMoe
 
-        baseline = VllmLatentMoe(z, ids, weights, packed)
+        baseline = VllmLatentMoe(z, ids, weights, w13, w2)
         seconds = timed(baseline.gemms, warmup=warmup, repeats=repeats, cuda=cuda)
-        return seconds, baseline.output
+        return (seconds, baseline.output), baseline.reference
     except Exception as error:  # a baseline that does not run is reported
-        return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
+        return (
+            None,
+            f"vLLM baseline failed: {type(error).__name__}: {error}"[:200],
+        ), None
 
 
 def bench_moe(device, smoke, warmup, repeats):
+    """Ours on the checkpoint's MXFP4 experts beside vLLM's Triton MoE GEMMs on the
+    same experts in FP8 (what vLLM runs for an FP8 checkpoint; it has no W4A8
+    MXFP4 Triton MoE): the time ratio compares the two formats' GEMMs. The gap
+    noted is vLLM's output from the PyTorch reference on its own FP8 weights."""
     import torch
 
     from k3_triton_kernels.moe import latent_moe as moe
@@ -627,40 +625,36 @@ def bench_moe(device, smoke, warmup, repeats):
         w13, w2 = expert_weights(experts, latent, inner, device)
         z, ids, weights = routed_tokens(tokens, experts, top_k, latent, device)
         cuda = device.type == "cuda"
-        for fmt, build in (
-            ("fp8", moe.fp8_experts_from),
-            ("fp8-block", moe.fp8_block_experts_from),
-            ("mxfp4", moe.mxfp4_experts_from),
-        ):
-            packed = build(w13, w2)
+        packed = moe.mxfp4_experts_from(w13, w2)
 
-            def run_ours(packed=packed, z=z, ids=ids, weights=weights):
-                return moe.latent_moe(z, ids, weights, packed)
+        def run_ours(packed=packed, z=z, ids=ids, weights=weights):
+            return moe.latent_moe(z, ids, weights, packed)
 
-            seconds = timed(run_ours, warmup=warmup, repeats=repeats, cuda=cuda)
-            used = len(ids.unique())
-            per_weight = {"fp8": 1, "fp8-block": 1 + 4 / 128**2}.get(fmt, 0.5 + 1 / 32)
-            # each used expert's weights once; the fp32 latent read and written
-            moved = used * 3 * inner * latent * per_weight + tokens * latent * (4 + 4)
-            flops = 2 * tokens * top_k * (latent * 2 * inner + inner * latent)
-            row = {
-                "kernel": f"latent_moe[{fmt}]",
-                "shape": f"T={tokens} E={experts} k={top_k} L={latent} I={inner}",
-                "s": seconds,
-                "eager_s": wall_timed(run_ours, warmup=1, repeats=repeats, cuda=cuda),
-                "bytes": moved,
-                "flops": flops,
-            }
-            if fmt.startswith("fp8"):
-                _side_by_side(
-                    row,
-                    _vllm_moe(z, ids, weights, packed, warmup, repeats, cuda),
-                    run_ours(),
-                )
-                row["baseline"] = "vLLM fused_moe_kernel GEMMs alone"
-            else:
-                row["vllm_s"], row["vllm_note"] = None, "no vLLM W4A8 MXFP4 baseline"
-            yield row
+        seconds = timed(run_ours, warmup=warmup, repeats=repeats, cuda=cuda)
+        used = len(ids.unique())
+        # each used expert's packed weights and scales once; the fp32 latent read
+        # and written
+        per_weight = 0.5 + 1 / 32
+        moved = used * 3 * inner * latent * per_weight + tokens * latent * (4 + 4)
+        flops = 2 * tokens * top_k * (latent * 2 * inner + inner * latent)
+        row = {
+            "kernel": "latent_moe[mxfp4]",
+            "shape": f"T={tokens} E={experts} k={top_k} L={latent} I={inner}",
+            "s": seconds,
+            "eager_s": wall_timed(run_ours, warmup=1, repeats=repeats, cuda=cuda),
+            "bytes": moved,
+            "flops": flops,
+        }
+        baseline, reference = _vllm_moe(z, ids, weights, w13, w2, warmup, repeats, cuda)
+        _side_by_side(row, baseline, reference)
+        if "vllm_gap" in row:
+            row["vllm_note"] = (
+                f"vLLM {row['vllm_gap']:.1e} (of the largest) from the reference "
+                "on its FP8 weights"
+            )
+        row["baseline"] = "vLLM fused_moe_kernel GEMMs alone, FP8 weights"
+        yield row
+        del w13, w2, packed
 
 
 def main(argv=None) -> int:

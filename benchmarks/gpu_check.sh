@@ -6,7 +6,6 @@
 #   benchmarks/gpu_check.sh prepare   # here: copy the vLLM kernel sources to carry
 #   benchmarks/gpu_check.sh           # there, carrying .vllm_src; writes to $OUT
 #   benchmarks/gpu_check.sh sweep     # there: the MLA and MoE sweeps
-#   benchmarks/gpu_check.sh compare   # there: MLA/MoE tests, compare_variants.py
 #
 # `prepare` copies the vLLM files benchmarks/vllm_baselines.py reads (vLLM's own
 # Triton kernels, run without importing vLLM) from this checkout's .venv into
@@ -41,19 +40,6 @@ PY="${PYTHON:-python3}"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
 
-if [[ "${1:-}" == "compare" ]]; then
-    # The MLA and MoE kernel tests on the GPU, then the untimed options side by
-    # side (benchmarks/compare_variants.py).
-    timeout "${TEST_SECONDS:-170}" "$PY" -m pytest -q -p no:cacheprovider \
-        tests/kernels/test_latent_moe.py tests/kernels/test_mla_decode.py 2>&1 \
-        | tee "$OUT/kernel_tests.log"
-    tests=$?
-    timeout "${COMPARE_SECONDS:-360}" "$PY" benchmarks/compare_variants.py 2>&1 \
-        | tee "$OUT/compare.txt"
-    compare=$?
-    echo "kernel tests rc=$tests, comparison rc=$compare"
-    exit $((tests || compare))
-fi
 if [[ "${1:-}" == "sweep" ]]; then
     # The launch-configuration sweeps the defaults are set from (about 8 minutes),
     # and with SWEEP_TESTS=1 the MLA and MoE kernel tests on the GPU before them.

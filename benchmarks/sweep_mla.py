@@ -2,13 +2,10 @@
 queries, 16 heads, 64-token pages), timed by CUDA-graph replays as
 ``bench_kernels.py`` times it.
 
-1. Tile, pipeline, warps and dot operands: ``block_n`` x warps 32 x 4, 32 x 8
-   and 64 x 8 (64 x 4 was the slowest in both runs before), ``num_stages`` 2/3,
-   fp16 (the default) or ``prefetch`` (bf16 measured 1.1-1.3x slower than fp16
-   in the runs before; fp16-pairs dots 1-8% slower, the latent in halves 4-5%:
-   ``results/variants_h200.txt``),
-   each at the default split count for its warps and at 1.5x and 2x of it, over
-   four batch x context shapes. Prints every configuration's time per shape.
+1. Tile, pipeline and warps: ``block_n`` x warps 32 x 4, 32 x 8 and 64 x 8 (64 x 4
+   was the slowest in both runs before), ``num_stages`` 2/3, each at the default
+   split count for its warps and at 1.5x and 2x of it, over four batch x context
+   shapes. Prints every configuration's time per shape.
 2. Split counts: for the fastest configuration of part 1, split counts from 1 to 3
    per multiprocessor on each shape, against ``default_num_splits``.
 
@@ -78,17 +75,13 @@ def sweep(device, shapes, sms: int) -> None:
     defaults = default_splits(4)
     print("defaults (splits):", {f"B={b} ctx={c}": s for (b, c), s in defaults.items()})
     results = []
-    variants = {
-        "fp16": {},
-        "prefetch": {"prefetch": True},
-    }
     configs = [
-        (block_n, stages, warps, variant)
-        for (block_n, warps), stages, variant in itertools.product(
-            ((32, 4), (32, 8), (64, 8)), (2, 3), variants
+        (block_n, stages, warps)
+        for (block_n, warps), stages in itertools.product(
+            ((32, 4), (32, 8), (64, 8)), (2, 3)
         )
     ]
-    for block_n, stages, warps, variant in configs:
+    for block_n, stages, warps in configs:
         line = []
         total = 0.0
         splits = default_splits(warps)
@@ -99,13 +92,12 @@ def sweep(device, shapes, sms: int) -> None:
                     k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
                     num_splits=max(1, round(splits[shape] * factor)),
                     block_n=block_n, num_stages=stages, num_warps=warps,
-                    **variants[variant],
                 )  # fmt: skip
                 try:
                     us = microseconds(run)
                 except Exception as error:  # out of resources: report, go on
                     print(
-                        f"bn{block_n} s{stages} w{warps} {variant}: failed, "
+                        f"bn{block_n} s{stages} w{warps}: failed, "
                         f"{type(error).__name__}"
                     )
                     us = math.inf
@@ -116,11 +108,11 @@ def sweep(device, shapes, sms: int) -> None:
             line.append(
                 f"B={shape[0]} ctx={shape[1]} {best[0]:.0f}us x{best[1]} {tbs:.2f}TB/s"
             )
-        label = f"bn{block_n} stages{stages} warps{warps} {variant}"
-        results.append((total, label, (block_n, stages, warps, variant)))
+        label = f"bn{block_n} stages{stages} warps{warps}"
+        results.append((total, label, (block_n, stages, warps)))
         print(f"{label}: " + "; ".join(line), flush=True)
     results.sort(key=lambda result: result[0])
-    _, label, (block_n, stages, warps, variant) = results[0]
+    _, label, (block_n, stages, warps) = results[0]
     print(f"fastest: {label}", flush=True)
     defaults = default_splits(warps)
     for shape, (q, cache, table, lens) in cases.items():
@@ -131,7 +123,7 @@ def sweep(device, shapes, sms: int) -> None:
             run = functools.partial(
                 k.mla_decode, q, cache, table, lens, max_seq_len=shape[1],
                 num_splits=splits, block_n=block_n, num_stages=stages,
-                num_warps=warps, **variants[variant],
+                num_warps=warps,
             )  # fmt: skip
             timings.append((microseconds(run), splits))
         default_us = dict((s, t) for t, s in timings).get(defaults[shape])

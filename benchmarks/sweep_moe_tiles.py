@@ -1,13 +1,13 @@
 """Tile sweep of the latent MoE on a GPU, timed by CUDA-graph replays as
 ``bench_kernels.py`` times it: K3's shapes on one device (112 experts, top-16,
-latent 3584, inner 3072) at 1, 16, 256 and 4,096 tokens, FP8 and MXFP4 alike:
+latent 3584, inner 3072; MXFP4 weights) at 1, 16, 256 and 4,096 tokens:
 block_m 16 (under 256 tokens) or 64/128, block_n x block_k 64 x 128 and 128 x 128
 (the gate/up dot is 2 x block_n wide), 4 warps, and from 256 tokens 8 too (a 128 x
 256 gate/up accumulator needs two warp groups), 3 and 4 pipeline stages; under 256
 tokens each with the dots both ways (``swap_ab``) and 2 stages too. Prints
-the default and the four fastest per token count, and, for FP8, what the launch
-before the GEMMs takes alone (the expert grouping, the activations' quantization,
-the zeroed output) next to vLLM's two GEMMs.
+the default and the four fastest per token count, and what the launch before the
+GEMMs takes alone (the expert grouping, the activations' quantization, the zeroed
+output).
 
     python benchmarks/sweep_moe_tiles.py          # on a GPU; about 5 minutes
     python benchmarks/sweep_moe_tiles.py --smoke  # tiny shapes, CPU interpreter
@@ -42,12 +42,12 @@ SMOKE_LARGE_BATCH = 16
 
 
 def sweep(
-    packed, fmt, tokens, z, ids, weights, microseconds, large_batch=LARGE_BATCH
+    packed, tokens, z, ids, weights, microseconds, large_batch=LARGE_BATCH
 ) -> tuple[float, list[str]]:
-    """The default tiles' time and the four fastest configurations of ``fmt``."""
+    """The default tiles' time and the four fastest configurations."""
     from k3_triton_kernels.moe import latent_moe as moe
 
-    default = moe.default_tiles(fmt, tokens)
+    default = moe.default_tiles(tokens)
     large = tokens >= large_batch
     block_ms = (64, 128) if large else (16,)
     warps = (4, 8) if large else (4,)
@@ -71,7 +71,7 @@ def sweep(
             us = microseconds(run)
         except Exception as error:  # out of resources: report, go on
             print(
-                f"T={tokens} {fmt} bm{block_m} bn{block_n} bk{block_k} w{warps} "
+                f"T={tokens} bm{block_m} bn{block_n} bk{block_k} w{warps} "
                 f"s{stages} swap{swap}: failed, {error!r:.100}"
             )
             continue
@@ -103,16 +103,15 @@ def run_sweeps(device, shape, token_counts, large_batch) -> None:
     num_experts, top_k, latent, inner = shape
     torch.manual_seed(0)
     w13, w2 = expert_weights(num_experts, latent, inner, device)
-    packed = moe.fp8_experts_from(w13, w2)
-    mxfp4 = moe.mxfp4_experts_from(w13, w2)
+    packed = moe.mxfp4_experts_from(w13, w2)
     del w13, w2
     started = time.time()
     for tokens in token_counts:
         z, ids, weights = routed_tokens(tokens, num_experts, top_k, latent, device)
         default_us, best = sweep(
-            packed, "fp8", tokens, z, ids, weights, microseconds, large_batch
+            packed, tokens, z, ids, weights, microseconds, large_batch
         )
-        block_m = moe.default_tiles("fp8", tokens)[0]
+        block_m = moe.default_tiles(tokens)[0]
         try:  # the launch before the GEMMs: grouping, FP8 latent, zeroed output
             preparation = microseconds(
                 lambda ids=ids, bm=block_m, z=z: moe.prepare_rows(
@@ -122,21 +121,11 @@ def run_sweeps(device, shape, token_counts, large_batch) -> None:
             preparation = f"{preparation:.1f}us"
         except Exception as error:  # reported, the sweep goes on
             preparation = f"failed ({error!r:.80})"
-        try:
-            from vllm_baselines import VllmLatentMoe
-
-            vllm = f"{microseconds(VllmLatentMoe(z, ids, weights, packed).gemms):.1f}"
-        except Exception as error:  # a baseline that does not run is reported
-            vllm = f"failed ({error!r:.80})"
         print(
-            f"T={tokens} fp8 default={default_us:.1f}us best: {best}; preparation "
-            f"{preparation}; vLLM GEMMs {vllm}us",
+            f"T={tokens} default={default_us:.1f}us best: {best}; preparation "
+            f"{preparation}",
             flush=True,
         )
-        default_us, best = sweep(
-            mxfp4, "mxfp4", tokens, z, ids, weights, microseconds, large_batch
-        )
-        print(f"T={tokens} mxfp4 default={default_us:.1f}us best: {best}", flush=True)
     print("elapsed", time.time() - started)
 
 

@@ -191,11 +191,12 @@ def fused_moe_parts():
 
 
 def _gemm(a, a_scale, w, w_scale, sorted_ids, block_expert, used, config, top_k,
-          block_shape, routing=None):  # fmt: skip
+          routing=None):  # fmt: skip
     """One of vLLM's MoE GEMMs, launched as ``invoke_fused_moe_triton_kernel`` does:
     ``[pairs, N]`` bf16 rows, one per routed (token, slot) pair. The gate/up GEMM
     reads token rows (``top_k`` pairs each); the down GEMM (``routing`` given) reads
-    pair rows and scales each by its routing weight."""
+    pair rows and scales each by its routing weight. FP8 weights with a scale per
+    output channel, activations with a scale per row."""
     import triton.language as tl
 
     kernel, _, enable_swap_ab = fused_moe_parts()
@@ -208,8 +209,6 @@ def _gemm(a, a_scale, w, w_scale, sorted_ids, block_expert, used, config, top_k,
     config = dict(config)
     block_k = config.pop("BLOCK_SIZE_K")
     config.pop("SPLIT_K", None)
-    if block_shape is not None:
-        block_k = min(block_k, *block_shape)
     grid = (
         -(-rows // config["BLOCK_SIZE_M"]) * -(-w.shape[1] // config["BLOCK_SIZE_N"]),
     )
@@ -220,8 +219,8 @@ def _gemm(a, a_scale, w, w_scale, sorted_ids, block_expert, used, config, top_k,
         out.stride(0), out.stride(2),
         a_scale.stride(0), a_scale.stride(1),
         w_scale.stride(0), w_scale.stride(2), w_scale.stride(1), 0, 0,
-        0 if block_shape is None else block_shape[0],
-        0 if block_shape is None else block_shape[1],
+        0,
+        0,
         naive_block_assignment=False,
         BLOCK_SIZE_K=block_k,
         SPLIT_K=1,
@@ -231,7 +230,7 @@ def _gemm(a, a_scale, w, w_scale, sorted_ids, block_expert, used, config, top_k,
         use_fp8_w8a8=True,
         use_int8_w8a8=False,
         use_int8_w8a16=False,
-        per_channel_quant=block_shape is None,
+        per_channel_quant=True,
         HAS_BIAS=False,
         SWAP_AB=enable_swap_ab(config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"]),
         USE_TD=False,
@@ -242,28 +241,32 @@ def _gemm(a, a_scale, w, w_scale, sorted_ids, block_expert, used, config, top_k,
 
 class VllmLatentMoe:
     """The latent MoE on vLLM's ``fused_moe_kernel`` GEMMs with vLLM's default tile
-    config (one for both GEMMs, as vLLM's ``fused_experts`` takes it): FP8
-    per-channel (per-token activations) or 128 x 128 block (1 x 128 activation
-    groups) weights from ``k3_triton_kernels.moe.latent_moe``.
+    config (one for both GEMMs, as vLLM's ``fused_experts`` takes it), on the fp32
+    experts ``w13`` ``[E, 2I, L]`` and ``w2`` ``[E, L, I]`` quantized to FP8 with a
+    scale per output channel (per-token activations): what vLLM's Triton MoE runs
+    for an FP8 checkpoint.
 
-    Built once on its inputs: ``output`` is the MoE's result ``[T, L]`` fp32, and
-    ``gemms()`` runs the two GEMMs again on the inputs prepared here (the sort, the
-    FP8 activations, the SiTU between them), which is what the benchmark times:
-    those steps are C++ ops in vLLM and PyTorch here, and would not be fair to
-    count."""
+    Built once on its inputs: ``output`` is the MoE's result ``[T, L]`` fp32,
+    ``reference`` the same job in PyTorch on the same FP8 weights, and ``gemms()``
+    runs the two GEMMs again on the inputs prepared here (the sort, the FP8
+    activations, the SiTU between them), which is what the benchmark times: those
+    steps are C++ ops in vLLM and PyTorch here, and would not be fair to count."""
 
-    def __init__(self, z, ids, weights, experts, *, beta=4.0, linear_beta=25.0):
-        from k3_triton_kernels.moe.latent_moe import quantize_per_row, sort_by_expert
-        from vllm_k3_plugin.reference.reference import situ_glu
+    def __init__(self, z, ids, weights, w13, w2, *, beta=4.0, linear_beta=25.0):
+        from k3_triton_kernels.moe.latent_moe import (
+            FP8,
+            quantize_per_row,
+            routed_experts_reference,
+            sort_by_expert,
+        )
+        from k3_triton_kernels.moe.naive import situ_glu
 
         _, get_default_config, _ = fused_moe_parts()
         tokens, latent = z.shape
         top_k = ids.shape[1]
-        num_experts, double_inner, _ = experts.w13.shape
-        block = experts.fmt == "fp8-block"
-        block_shape = [128, 128] if block else None
+        num_experts, double_inner, _ = w13.shape
         config = get_default_config(
-            tokens, num_experts, double_inner, latent, top_k, "fp8_w8a8", block_shape
+            tokens, num_experts, double_inner, latent, top_k, "fp8_w8a8", None
         )
         rows, block_expert, used = sort_by_expert(
             ids, num_experts, config["BLOCK_SIZE_M"]
@@ -273,25 +276,16 @@ class VllmLatentMoe:
             block_expert.to(torch.int32),
             used.to(torch.int32),
         )
-        dtype = experts.w13.dtype
+        w13_q, w13_scale = quantize_per_row(w13, FP8)
+        w2_q, w2_scale = quantize_per_row(w2, FP8)
 
         def activations(x):
-            """FP8 per token, or per 1 x 128 group for block weights."""
-            if not block:
-                values, scale = quantize_per_row(x, dtype)
-                return values, scale[:, None]
-            width = x.shape[-1]
-            padded = torch.nn.functional.pad(x.float(), (0, -width % 128))
-            values, scale = quantize_per_row(padded.unflatten(-1, (-1, 128)), dtype)
-            return values.flatten(-2)[:, :width].contiguous(), scale
-
-        def scales(s):
-            return s.float()[..., None] if not block else s.float()
+            values, scale = quantize_per_row(x, FP8)
+            return values, scale[:, None]
 
         a, a_scale = activations(z)
         self._gate_up = (
-            a, a_scale, experts.w13, scales(experts.w13_scale), *routing, config,
-            top_k, block_shape,
+            a, a_scale, w13_q, w13_scale[..., None], *routing, config, top_k,
         )  # fmt: skip
         gate_up = _gemm(*self._gate_up)
         inner = double_inner // 2
@@ -303,20 +297,20 @@ class VllmLatentMoe:
         )
         h_q, h_scale = activations(h)
         self._down = (
-            h_q, h_scale, experts.w2, scales(experts.w2_scale), *routing, config,
-            top_k, block_shape, weights.float().contiguous(),
+            h_q, h_scale, w2_q, w2_scale[..., None], *routing, config, top_k,
+            weights.float().contiguous(),
         )  # fmt: skip
         down = _gemm(*self._down)
         self.output = down.float().view(tokens, top_k, latent).sum(dim=1)
+        self.reference = routed_experts_reference(
+            z, ids, weights,
+            w13_q.float() * w13_scale[..., None], w2_q.float() * w2_scale[..., None],
+            beta=beta, linear_beta=linear_beta,
+        )  # fmt: skip
 
     def gemms(self) -> None:
         _gemm(*self._gate_up)
         _gemm(*self._down)
-
-
-def vllm_latent_moe(z, ids, weights, experts, **betas) -> torch.Tensor:
-    """``VllmLatentMoe``'s output."""
-    return VllmLatentMoe(z, ids, weights, experts, **betas).output
 
 
 __all__ = [
@@ -326,6 +320,5 @@ __all__ = [
     "decode_attention_fwd",
     "fused_moe_parts",
     "mla_num_kv_splits",
-    "vllm_latent_moe",
     "vllm_source_root",
 ]

@@ -218,7 +218,7 @@ def _cases(fp8: torch.dtype):
     from vllm_k3_plugin.reference import reference as ref
     from vllm_k3_plugin.reference.kda_chunk import chunk_terms
 
-    def mla(q_dtype, cache_dtype, dots=None, **options):
+    def mla(q_dtype, cache_dtype, **options):
         def call():
             q = torch.randn(2, 2, 16, 576).to(q_dtype)
             # 64-token pages: the tile is the default 32 tokens, within a page.
@@ -232,27 +232,19 @@ def _cases(fp8: torch.dtype):
                 lens,
                 max_seq_len=100,
                 num_splits=2,
-                dots=dots,
                 **options,
             )
 
         return call
 
-    def moe(fmt, tokens=3, latent=256, inner=128):
+    def moe(tokens=3, latent=256, inner=128):
         def call():
             z = torch.randn(tokens, latent)
             w13 = torch.randn(8, 2 * inner, latent)
             w2 = torch.randn(8, latent, inner)
-            if fmt == "mxfp4":
-                experts, fp8_dtype = latent_moe.mxfp4_experts_from(w13, w2), fp8
-            else:
-                build = {
-                    "fp8": latent_moe.fp8_experts_from,
-                    "fp8-block": latent_moe.fp8_block_experts_from,
-                }[fmt]
-                experts, fp8_dtype = build(w13, w2, fp8), None
+            experts = latent_moe.mxfp4_experts_from(w13, w2)
             weights, ids = ref.route(torch.randn(tokens, 8), torch.zeros(8), 2)
-            latent_moe.latent_moe(z, ids, weights, experts, fp8_dtype=fp8_dtype)
+            latent_moe.latent_moe(z, ids, weights, experts, fp8_dtype=fp8)
 
         return call
 
@@ -289,23 +281,14 @@ def _cases(fp8: torch.dtype):
         ("mla fp8 cache, bf16 q", mla_decode, mla(torch.bfloat16, fp8)),
         ("mla bf16 cache, bf16 q", mla_decode, mla(torch.bfloat16, torch.bfloat16)),
         ("mla fp8 cache, fp32 q", mla_decode, mla(torch.float32, fp8)),
-        (
-            "mla fp8 cache, bf16 q, prefetch",
-            mla_decode,
-            mla(torch.bfloat16, fp8, prefetch=True),
-        ),
-        ("latent moe fp8", latent_moe, moe("fp8")),
-        ("latent moe fp8-block", latent_moe, moe("fp8-block")),
-        ("latent moe mxfp4", latent_moe, moe("mxfp4")),
-        # From 256 tokens the MoE takes 64-row blocks.
-        ("latent moe fp8, 300 tokens", latent_moe, moe("fp8", 300)),
-        ("latent moe fp8-block, 300 tokens", latent_moe, moe("fp8-block", 300)),
-        ("latent moe mxfp4, 300 tokens", latent_moe, moe("mxfp4", 300)),
-        # Past 1,024 tokens (per-channel FP8 took 128-row blocks there before).
-        ("latent moe fp8, 1100 tokens", latent_moe, moe("fp8", 1100)),
+        ("latent moe mxfp4", latent_moe, moe()),
+        # From 256 tokens the MoE takes 64-row blocks and 64-wide K tiles.
+        ("latent moe mxfp4, 300 tokens", latent_moe, moe(300)),
+        # Past 1,024 pairs a launch of its own places them.
+        ("latent moe mxfp4, 1100 tokens", latent_moe, moe(1100)),
         # K3's widths: its rows are quantized from one read (the whole row in
         # registers), a block of 4,096.
-        ("latent moe fp8, K3 widths", latent_moe, moe("fp8", 1, 3584, 3072)),
+        ("latent moe mxfp4, K3 widths", latent_moe, moe(1, 3584, 3072)),
         # The grouping alone (no latent: the quantizing programs' code is left
         # out), as the sweeps and tests launch it.
         ("moe grouping", latent_moe, grouping),

@@ -1,21 +1,14 @@
-"""Latent fused MoE: the Triton kernels against the PyTorch reference, FP8 and MXFP4.
+"""Latent fused MoE: the Triton kernels against the PyTorch reference, FP8 activations
+and MXFP4 weights.
 
 Tolerance (kernel vs reference): 1e-4 of the output's largest magnitude, on all but
 a quarter of the tokens; those within 2^-4. Both read the same FP8 activations and the
-same FP8 / MXFP4 weights, converted exactly to fp32; they differ in fp32 summation
+same MXFP4 weights, converted exactly to fp32; they differ in fp32 summation
 order and in SiTU's tanh (computed through sigmoid). The intermediate is requantized
 to FP8 per token, so a token whose intermediate (or its row scale) sits on an e4m3
 rounding boundary can round one step apart on the two sides, and its whole output row
 moves by a fraction of an e4m3 step (measured: 2e-3 of the largest magnitude, on one
 or two of 9 tokens in 2 of 27 seeded cases; the other tokens within 1e-6).
-Against unquantized fp32 math the error is bounded by e4m3 rounding (3 mantissa bits,
-2^-4 relative per value) of activations, weights and the intermediate: under 10%.
-
-These comparisons run with exact sums (``imprecise_products=0``). On Hopper the
-default lets the FP8 MMA add each K tile's products in its narrower accumulator;
-with it the comparisons above fail on an H200 (many tokens 1e-3 apart, as the
-requantization amplifies the GEMM's 2e-4), so its own test bounds the GEMM output
-instead (``test_the_default_accumulation_stays_within_its_bound``).
 """
 
 from __future__ import annotations
@@ -53,22 +46,14 @@ def _agrees(got, expected):
     return 4 * len(flipped) <= len(row_error) and max(row_error) <= 2**-4
 
 
-BUILDERS = {
-    "fp8": moe.fp8_experts_from,
-    "fp8-block": moe.fp8_block_experts_from,
-    "mxfp4": moe.mxfp4_experts_from,
-}
-
-
-@pytest.mark.parametrize("fmt", list(BUILDERS))
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k"),
     [(1, 8, 2), (5, 8, 2), (33, 16, 4), (4, 896, 16)],  # the last: K3's routing
 )
-def test_kernel_matches_reference(fmt, tokens, experts, top_k):
+def test_kernel_matches_reference(tokens, experts, top_k):
     z, ids, weights, w13, w2 = _case(tokens, experts, top_k)
-    packed = BUILDERS[fmt](w13, w2)
-    got = moe.latent_moe(z, ids, weights, packed, imprecise_products=0)
+    packed = moe.mxfp4_experts_from(w13, w2)
+    got = moe.latent_moe(z, ids, weights, packed)
     expected = moe.latent_moe_reference(z, ids, weights, packed)
     assert _agrees(got, expected)
     if experts == 896:
@@ -76,36 +61,33 @@ def test_kernel_matches_reference(fmt, tokens, experts, top_k):
         assert len(ids.unique()) <= tokens * top_k < experts
 
 
-def test_mxfp4_from_256_tokens_takes_k_tiles_of_64_and_matches_the_reference():
+def test_from_256_tokens_k_tiles_of_64_match_the_reference():
     """The default tiles from 256 tokens: several 64-wide K tiles (two scale groups
     each) in both GEMMs."""
     tokens, latent, inner = 260, 256, 128
-    assert moe.default_tiles("mxfp4", tokens)[2] == 64
+    assert moe.default_tiles(tokens)[2] == 64
     z, ids, weights, w13, w2 = _case(tokens, 8, 2, latent=latent, inner=inner)
     packed = moe.mxfp4_experts_from(w13, w2)
-    got = moe.latent_moe(z, ids, weights, packed, imprecise_products=0)
+    got = moe.latent_moe(z, ids, weights, packed)
     expected = moe.latent_moe_reference(z, ids, weights, packed)
     assert _agrees(got, expected)
 
 
 @pytest.mark.parametrize("swap_ab", [True, False], ids=["weights@x", "x@weights"])
-@pytest.mark.parametrize("fmt", list(BUILDERS))
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k"), [(5, 8, 2), (33, 16, 4), (4, 896, 16)]
 )
 def test_each_stage_matches_the_reference_on_the_same_fp8_values(
-    fmt, tokens, experts, top_k, swap_ab, monkeypatch
+    tokens, experts, top_k, swap_ab, monkeypatch
 ):
     """Each GEMM against the reference on the very FP8 values the kernel had, so no
     rounding boundary can hide a wrong token (tolerance 1e-4 of the largest value:
     fp32 summation order): the gate/up GEMM's SiTU output, before it is requantized,
     for every routed pair; and the down GEMM with the routing weights, from the
     kernel's own requantized intermediate. Both orientations of the dots (16-row
-    blocks take weights @ x on NVIDIA, x @ weights on AMD), with exact sums (on
-    Hopper the default adds each K tile's FP8 products in a narrower accumulator:
-    the next test bounds that)."""
+    blocks take weights @ x on NVIDIA, x @ weights on AMD)."""
     z, ids, weights, w13, w2 = _case(tokens, experts, top_k)
-    packed = BUILDERS[fmt](w13, w2)
+    packed = moe.mxfp4_experts_from(w13, w2)
     quantized, quantize = [], moe.quantize_rows
 
     def recording(x, dtype, **padding):
@@ -121,7 +103,7 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
 
     monkeypatch.setattr(moe, "quantize_rows", recording)
     monkeypatch.setattr(moe, "prepare_rows", recording_preparation)
-    got = moe.latent_moe(z, ids, weights, packed, swap_ab=swap_ab, imprecise_products=0)
+    got = moe.latent_moe(z, ids, weights, packed, swap_ab=swap_ab)
     ((h, h_q, h_scale),) = quantized  # the intermediate's
     # The kernel's own order of the pairs, and the latent's FP8 values.
     ((rows, block_expert, _, z_q, z_scale, _),) = prepared
@@ -160,26 +142,23 @@ def test_mxfp4_tiles_past_k_read_no_padding_bytes_or_scales():
         return wider[..., : t.shape[-1]]
 
     padded = moe.ExpertWeights(
-        "mxfp4",
         in_padding(packed.w13, 0x77),
         in_padding(packed.w13_scale, 255),
         in_padding(packed.w2, 0x77),
         in_padding(packed.w2_scale, 255),
     )
-    got = moe.latent_moe(z, ids, weights, padded, block_k=128, imprecise_products=0)
+    got = moe.latent_moe(z, ids, weights, padded, block_k=128)
     assert torch.isfinite(got).all()
     assert _agrees(got, moe.latent_moe_reference(z, ids, weights, packed))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_the_down_gemms_launch_order_leaves_the_output_as_it_is(fmt):
+def test_the_down_gemms_launch_order_leaves_the_output_as_it_is():
     """Row blocks first or column blocks first (the default), the same sums: only
     the order of the fp32 atomic adds into a token's row differs."""
     z, ids, weights, w13, w2 = _case(33, 16, 4)
-    packed = BUILDERS[fmt](w13, w2)
-    exact = {"imprecise_products": 0}  # as the reference comparisons
-    by_columns = moe.latent_moe(z, ids, weights, packed, **exact)
-    by_rows = moe.latent_moe(z, ids, weights, packed, down_rows_first=True, **exact)
+    packed = moe.mxfp4_experts_from(w13, w2)
+    by_columns = moe.latent_moe(z, ids, weights, packed)
+    by_rows = moe.latent_moe(z, ids, weights, packed, down_rows_first=True)
     assert_close(by_rows, by_columns, of_peak=1e-6, peak_floor=1e-6, what="by rows")
     assert _agrees(by_columns, moe.latent_moe_reference(z, ids, weights, packed))
 
@@ -191,42 +170,6 @@ def test_row_blocks_past_the_grids_second_axis_go_first():
     assert moe.down_grid(1100, 56, True) == ((1100, 56), True)
     assert moe.down_grid(65535, 56, False) == ((56, 65535), False)
     assert moe.down_grid(65536, 56, False) == ((65536, 56), True)
-
-
-def _gate_up_by_pair(monkeypatch, *args, **options) -> torch.Tensor:
-    """The gate/up GEMM's SiTU output of ``latent_moe(*args, **options)``, a row a
-    routed pair, in pair order (the kernel's row order varies with its atomics)."""
-    recorded = []
-    quantize = moe.quantize_rows
-
-    def recording(x, dtype, **padding):
-        if "rows" in padding:
-            rows = padding["rows"].long()
-            by_pair = torch.zeros(args[1].numel(), x.shape[1], device=x.device)
-            by_pair[rows[rows >= 0]] = x[rows >= 0]
-            recorded.append(by_pair)
-        return quantize(x, dtype, **padding)
-
-    monkeypatch.setattr(moe, "quantize_rows", recording)
-    moe.latent_moe(*args, **options)
-    monkeypatch.setattr(moe, "quantize_rows", quantize)
-    return recorded[0]
-
-
-@pytest.mark.parametrize("tokens", [3, 300])  # 16-row blocks, 64-row blocks
-def test_the_default_accumulation_stays_within_its_bound(tokens, monkeypatch):
-    """The default adds each K tile's FP8 products (128) in Hopper's narrower MMA
-    accumulator before the fp32 one: the gate/up output stays within 2^-11 of its
-    largest from the exact sums, on the same FP8 inputs (measured on an H200 at
-    K3's latent of 3584: 1.9e-4 ≈ 2^-12.4; never promoting: 3.1e-3). Exact
-    elsewhere (the interpreter, AMD)."""
-    z, ids, weights, w13, w2 = _case(tokens, 16, 4, latent=1024, inner=64)
-    packed = moe.fp8_experts_from(w13, w2)
-    exact = _gate_up_by_pair(monkeypatch, z, ids, weights, packed, imprecise_products=0)
-    default = _gate_up_by_pair(monkeypatch, z, ids, weights, packed)
-    assert (default - exact).abs().max() <= 2**-11 * exact.abs().max()
-    with pytest.raises(ValueError, match="imprecise_products"):
-        moe.latent_moe(z, ids, weights, packed, imprecise_products=4096)
 
 
 FNUZ = torch.float8_e4m3fnuz
@@ -250,17 +193,15 @@ def test_the_mxfp4_dot_gives_every_e2m1_value_times_its_scale_exactly(dtype, swa
         n = tl.arange(0, 16)
         k = tl.arange(0, 64)
         x = tl.load(x_ptr + k[:, None] * 64 + k[None, :])  # [64, 64] identity
-        w, s = moe._load_weight_tile(
-            w_ptr, s_ptr, 0, n, k, 0, 64, 0, 32, 0, 2, n < 16, k < 64, 1
-        )
+        w, s = moe._load_weight_tile(w_ptr, s_ptr, 0, n, 0, 64, 0, 32, 0, 2, n < 16, 64)
         if SWAP_AB:  # out^T = w @ x^T
             acc = moe._accumulate(
-                tl.zeros((16, 64), tl.float32), x, w, s, 1, True, None, X_FORMAT
+                tl.zeros((16, 64), tl.float32), x, w, s, True, X_FORMAT
             )
             tl.store(out_ptr + n[:, None] * 64 + k[None, :], acc)
         else:  # out = x @ w^T
             acc = moe._accumulate(
-                tl.zeros((64, 16), tl.float32), x, w, s, 1, False, None, X_FORMAT
+                tl.zeros((64, 16), tl.float32), x, w, s, False, X_FORMAT
             )
             tl.store(out_ptr + k[:, None] + n[None, :] * 64, acc)
 
@@ -303,8 +244,7 @@ def test_row_quantization_keeps_nan_and_inf_as_the_reference_does(dtype):
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_pairs_routed_to_other_ranks_experts_are_left_out(fmt):
+def test_pairs_routed_to_other_ranks_experts_are_left_out():
     """Ids outside ``[0, E)`` (another rank's experts; -1, E, and 2^32 + 1, which
     an int32 cast would wrap to expert 1) are not placed by the grouping, and the
     kernel and the reference both leave them out."""
@@ -315,8 +255,8 @@ def test_pairs_routed_to_other_ranks_experts_are_left_out(fmt):
     rows, _, _ = moe.group_by_expert(ids, 8, 16)
     placed = rows[rows >= 0].long().cpu()
     assert sorted(placed.tolist()) == sorted(set(range(10)) - {0, 3, 4})
-    packed = BUILDERS[fmt](w13, w2)
-    got = moe.latent_moe(z, ids, weights, packed, imprecise_products=0)
+    packed = moe.mxfp4_experts_from(w13, w2)
+    got = moe.latent_moe(z, ids, weights, packed)
     expected = moe.latent_moe_reference(z, ids, weights, packed)
     assert _agrees(got, expected)
 
@@ -386,17 +326,16 @@ def test_row_quantization_kernel_is_bit_exact(dtype, cols):
     assert torch.equal(prepared.out.cpu(), torch.zeros(6, cols))
 
 
-@pytest.mark.parametrize("fmt", list(BUILDERS))
 @pytest.mark.parametrize(("tokens", "block_m"), [(5, 16), (300, 64)])
-def test_buffers_left_unset_are_never_read(fmt, tokens, block_m, monkeypatch):
+def test_buffers_left_unset_are_never_read(tokens, block_m, monkeypatch):
     """Every buffer the launcher allocates without zeroing (the output, which the
     grouping launch zeroes; the intermediate's padding rows) starts as NaN and
     garbage here, and the result is the same as from zeroed buffers. Bit for bit
     on a GPU too: top-2 gives each output value two atomic adds onto zero, whose
     order cannot change the sum (from three it could)."""
     z, ids, weights, w13, w2 = _case(tokens, 8, 2)
-    packed = BUILDERS[fmt](w13, w2)
-    options = {"block_m": block_m, "imprecise_products": 0}
+    packed = moe.mxfp4_experts_from(w13, w2)
+    options = {"block_m": block_m}
     clean = moe.latent_moe(z, ids, weights, packed, **options)
     empty = torch.empty
 
@@ -414,61 +353,27 @@ def test_buffers_left_unset_are_never_read(fmt, tokens, block_m, monkeypatch):
 
 
 @pytest.mark.skipif(not FNUZ_RUNS_HERE, reason="e4m3fnuz runs on gfx94x only")
-@pytest.mark.parametrize("fmt", list(BUILDERS))
-def test_fnuz_activations_and_weights_for_gfx94x(fmt):
-    """gfx94x's e4m3fnuz (max 240): FP8 weights in fnuz set the activations' dtype;
-    MXFP4 weights take it from ``fp8_dtype``. The kernel still matches the reference
-    to 1e-4, and both stay within e4m3 rounding of the OCP-e4m3fn result."""
+def test_fnuz_activations_for_gfx94x():
+    """gfx94x's e4m3fnuz (max 240) as the activations' dtype (``fp8_dtype``): the
+    kernel still matches the reference to 1e-4, and both stay within e4m3
+    rounding of the OCP-e4m3fn result."""
     z, ids, weights, w13, w2 = _case(7, 8, 2)
-    if fmt == "mxfp4":
-        packed, fp8_dtype = moe.mxfp4_experts_from(w13, w2), FNUZ
-        ocp = packed
-    else:
-        packed, fp8_dtype = BUILDERS[fmt](w13, w2, FNUZ), None
-        ocp = BUILDERS[fmt](w13, w2)
-        assert packed.w13.dtype == FNUZ
-    assert moe.activation_dtype(packed, fp8_dtype) == FNUZ
-    got = moe.latent_moe(z, ids, weights, packed, fp8_dtype=fp8_dtype)
-    expected = moe.latent_moe_reference(z, ids, weights, packed, fp8_dtype=fp8_dtype)
+    packed = moe.mxfp4_experts_from(w13, w2)
+    assert moe.activation_dtype(FNUZ) == FNUZ
+    got = moe.latent_moe(z, ids, weights, packed, fp8_dtype=FNUZ)
+    expected = moe.latent_moe_reference(z, ids, weights, packed, fp8_dtype=FNUZ)
     assert _agrees(got, expected)
-    want = moe.latent_moe_reference(z, ids, weights, ocp)
+    want = moe.latent_moe_reference(z, ids, weights, packed)
     assert_close(got, want, of_peak=0.1, peak_floor=1e-6, what="moe out")
-    assert not torch.equal(got, moe.latent_moe(z, ids, weights, ocp))
+    assert not torch.equal(got, moe.latent_moe(z, ids, weights, packed))
 
 
-def test_fp8_weights_and_activations_must_share_a_dtype():
+def test_the_activations_take_an_fp8_dtype_only():
     z, ids, weights, w13, w2 = _case(2, 4, 1)
-    with pytest.raises(ValueError, match="share one FP8 dtype"):
-        moe.latent_moe(z, ids, weights, moe.fp8_experts_from(w13, w2), fp8_dtype=FNUZ)
     with pytest.raises(ValueError, match="not an FP8 dtype"):
         moe.latent_moe(
             z, ids, weights, moe.mxfp4_experts_from(w13, w2), fp8_dtype=torch.bfloat16
         )
-
-
-def test_block_scales_across_several_blocks():
-    """Latent 320 and inner 160: 128 x 128 scale blocks with partial edge blocks."""
-    z, ids, weights, w13, w2 = _case(6, 4, 2, latent=320, inner=160)
-    packed = moe.fp8_block_experts_from(w13, w2)
-    assert packed.w13_scale.shape == (4, 3, 3) and packed.w2_scale.shape == (4, 3, 2)
-    got = moe.latent_moe(z, ids, weights, packed, imprecise_products=0)
-    expected = moe.latent_moe_reference(z, ids, weights, packed)
-    assert _agrees(got, expected)
-    # Each block's scale is its own: dequantized weights stay within e4m3 rounding.
-    assert (moe.dequantize(packed, "w13") - w13).abs().max() <= 2**-4 * w13.abs().max()
-
-
-def test_fp8_is_close_to_unquantized_math():
-    z, ids, weights, w13, w2 = _case(9, 8, 2)
-    got = moe.latent_moe(z, ids, weights, moe.fp8_experts_from(w13, w2))
-    exact = torch.zeros_like(got)
-    for t in range(z.shape[0]):
-        for slot in range(ids.shape[1]):
-            e = int(ids[t, slot])
-            gate_up = w13[e] @ z[t]
-            h = situ_glu(gate_up[:32], gate_up[32:])
-            exact[t] += weights[t, slot] * (w2[e] @ h)
-    assert_close(got, exact, of_peak=0.1, peak_floor=1e-6, what="moe out")
 
 
 def test_mxfp4_weights_decode_like_the_checkpoint_reader():
@@ -508,14 +413,13 @@ def test_sort_by_expert_at_k3_routing():
         assert torch.equal(group, group.sort().values)
 
 
-@pytest.mark.parametrize("fmt", list(BUILDERS))
-def test_the_kernel_path_reads_nothing_back_from_the_device(fmt):
+def test_the_kernel_path_reads_nothing_back_from_the_device():
     """No sync per MoE layer, and what a CUDA graph needs: the routing sort and
     both kernels run without the host reading a device value."""
     z, ids, weights, w13, w2 = _case(9, 896, 16, seed=3)
-    packed = BUILDERS[fmt](w13, w2)
+    packed = moe.mxfp4_experts_from(w13, w2)
     with no_host_reads():
-        got = moe.latent_moe(z, ids, weights, packed, imprecise_products=0)
+        got = moe.latent_moe(z, ids, weights, packed)
     assert _agrees(got, moe.latent_moe_reference(z, ids, weights, packed))
 
 

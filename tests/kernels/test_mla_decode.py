@@ -72,21 +72,17 @@ def test_decode_matches_reference(dtype, lens, heads, page_size):
     _compare(q, cache, table, seq_lens, kv_scale=0.25)
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize(
     ("page_size", "block_n"),
     [(16, 32), (16, 64), (48, 16), (64, 64), (64, 16)],
 )
-def test_tiles_within_a_page_and_across_pages(page_size, block_n, prefetch):
+def test_tiles_within_a_page_and_across_pages(page_size, block_n):
     """A tile inside one page reads the block table once; a tile longer than a
-    page, or a page not a multiple of the tile, reads it per token. With
-    ``prefetch`` each tile's reads go out an iteration early (the loads of the
-    tile past the split's end are masked off; no result depends on them, so
-    these comparisons cannot see them)."""
+    page, or a page not a multiple of the tile, reads it per token."""
     q, cache, table, lens = _setup(
         [130, 64, 1], heads=16, rows=2, page_size=page_size, dtype=FP8[0]
     )
-    _compare(q, cache, table, lens, block_n=block_n, num_splits=3, prefetch=prefetch)
+    _compare(q, cache, table, lens, block_n=block_n, num_splits=3)
 
 
 def test_one_split_is_written_in_place_without_the_merge(monkeypatch):
@@ -234,25 +230,6 @@ def test_bf16_queries_run_tensor_core_dots_within_the_weight_rounding(
     assert not torch.equal(out, fp32_out)
 
 
-def test_an_fp8_cache_also_takes_bf16_dots_and_nothing_else_odd():
-    """The bf16 dots over an FP8 cache (every e4m3 value is exact in bf16 too)
-    stay within their 2^-8 bound; a dot format a pair cannot hold is refused."""
-    q, cache, table, lens = _setup([70], heads=16, rows=1, page_size=16, dtype=FP8[0])
-    q = q.to(torch.bfloat16)
-    out, _ = kernel.mla_decode(q, cache, table, lens, dots="bf16")
-    ref_out, _ = kernel.mla_decode_reference(
-        q, cache, table, lens, value_dim=512, softmax_scale=SCALE
-    )
-    largest = cache[..., :512].float().abs().max()
-    assert (out - ref_out).abs().max() <= 2**-8 * largest + 1e-4
-    with pytest.raises(ValueError, match="fp16 dots"):
-        kernel.mla_decode(q.float(), cache, table, lens, dots="fp16")
-    with pytest.raises(ValueError, match="fp16 dots"):  # the reference path too
-        kernel.mla_decode(
-            q.float(), cache, table, lens, dots="fp16", reference_because="a test"
-        )
-
-
 def test_fp16_and_fp32_caches_keep_fp32_dots():
     q = torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16)
     for dtype in (torch.float16, torch.float32):
@@ -346,36 +323,9 @@ def test_the_default_split_count_fills_one_wave_of_eight_warps_a_multiprocessor(
     assert kernel.default_num_splits(32768, 1024, gpu) == 1
     assert kernel.default_num_splits(600, 1, gpu) == 3  # 256-token splits at least
     assert kernel.default_num_splits(100, 1, gpu) == 1
-    # Programs of 8 warps (prefetch): one a multiprocessor.
+    # Programs of 8 warps (fp32 dots): one a multiprocessor.
     assert kernel.default_num_splits(131072, 1, gpu, num_warps=8) == 132
     assert kernel.default_num_splits(131072, 32, gpu, num_warps=8) == 4
     cpu = torch.device("cpu")
     assert kernel.default_num_splits(131072, 1, cpu) == 16
     assert kernel.default_num_splits(300, 1, cpu) == 2
-
-
-@pytest.mark.parametrize(
-    ("cache_dtype", "dots", "bound"),
-    [
-        (FP8[0], "fp16", 2**-11),
-        (torch.bfloat16, "bf16", 2**-8),
-        (FP8[0], "fp32", 0.0),
-    ],
-)
-def test_prefetch_keeps_each_formats_bound(cache_dtype, dots, bound):
-    """``prefetch`` (untimed) loads each tile an iteration early, and holds each
-    dot format's bound against the reference (the weights' rounding times the
-    largest value, plus fp32 summation order), across pages, splits and
-    speculative rows."""
-    q, cache, table, lens = _setup(
-        [70, 33, 1], heads=16, rows=3, page_size=16, dtype=cache_dtype, kv_scale=0.5
-    )
-    q = q.float() if dots == "fp32" else q.to(torch.bfloat16)
-    launch = {"kv_scale": 0.5, "dots": dots, "prefetch": True}
-    out, lse = kernel.mla_decode(q, cache, table, lens, **launch)
-    ref_out, ref_lse = kernel.mla_decode_reference(
-        q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=0.5
-    )
-    largest = cache[..., :512].float().abs().max() * 0.5
-    assert (out - ref_out).abs().max() <= bound * largest + 1e-4
-    assert_close(lse, ref_lse, atol=0.0001, rtol=0.0001, what="lse")

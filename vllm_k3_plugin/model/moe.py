@@ -134,7 +134,7 @@ class StackedMxfp4Experts(nn.Module):
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(
-            "mxfp4", self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale
+            self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale
         )
 
 

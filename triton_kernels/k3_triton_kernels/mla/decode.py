@@ -226,7 +226,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PAGE_TILES: tl.constexpr,
         DOTS: tl.constexpr,
-        PREFETCH: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
         row = tl.program_id(0)  # b * rows + r
@@ -271,25 +270,11 @@ if triton is not None:
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         denom = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, DV), tl.float32)
-        if PREFETCH:
-            latent_next, pe_next, mask_next = _tile_keys(
-                cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-                start, end, page_size, BLOCK_N, PAGE_TILES, DV, DPE,
-            )  # fmt: skip
         for tile in range(start, end, BLOCK_N):
-            if PREFETCH:
-                # This tile's keys were loaded an iteration ago; the next tile's
-                # loads go out now, ahead of this tile's dots.
-                k_latent, k_pe, n_mask = latent_next, pe_next, mask_next
-                latent_next, pe_next, mask_next = _tile_keys(
-                    cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-                    tile + BLOCK_N, end, page_size, BLOCK_N, PAGE_TILES, DV, DPE,
-                )  # fmt: skip
-            else:
-                k_latent, k_pe, n_mask = _tile_keys(
-                    cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
-                    tile, end, page_size, BLOCK_N, PAGE_TILES, DV, DPE,
-                )  # fmt: skip
+            k_latent, k_pe, n_mask = _tile_keys(
+                cache_ptr, block_table_ptr, b, stride_bt, stride_cp, stride_cs,
+                tile, end, page_size, BLOCK_N, PAGE_TILES, DV, DPE,
+            )  # fmt: skip
             scores = _dot(q_latent, tl.trans(k_latent), DOTS, INTERPRETED)
             scores += _dot(q_pe, tl.trans(k_pe), DOTS, INTERPRETED)
             scores = tl.where(n_mask[None, :], scores * score_scale, float("-inf"))
@@ -395,9 +380,9 @@ def _unsupported(q: torch.Tensor, cache: torch.Tensor, value_dim: int) -> str | 
 
 MIN_SPLIT_TOKENS = 256
 # Warps of the partial kernel a multiprocessor keeps busy at once: at about 255
-# registers a thread (sm90: 4 warps, and prefetch at 8; the fp32 dots of the tests
-# take 8 too), 64K registers hold 8 warps: two programs of 4 side by side, which
-# the kernel needs in flight to hide the cache reads' latency, or one of 8.
+# registers a thread (sm90: 4 warps; the fp32 dots of the tests take 8), 64K
+# registers hold 8 warps: two programs of 4 side by side, which the kernel needs
+# in flight to hide the cache reads' latency, or one of 8.
 WARPS_PER_MULTIPROCESSOR = 8
 
 
@@ -441,16 +426,12 @@ def default_block_n(page_size: int) -> int:
 DOTS = {"fp32": 0, "bf16": 1, "fp16": 2}
 
 
-# The other format a bf16 query over an FP8 cache may take: bf16 (e4m3 is exact
-# there too; on sm90 it costs a second conversion per value, e4m3 -> fp16 -> bf16).
-FP8_ALTERNATIVES = {"fp16": ("bf16",)}
-
-
 def dot_format(q: torch.Tensor, cache: torch.Tensor) -> str:
     """The operands of the kernel's dots: ``"fp16"`` for a bf16 query over an FP8
     cache (every e4m3 value is exact in fp16, and the GPU converts e4m3 to fp16 in
     one instruction per pair), ``"bf16"`` for a bf16 query over a bf16 cache, else
-    ``"fp32"``."""
+    ``"fp32"``. bf16 dots over an FP8 cache measured 1.1-1.3x slower than fp16 on
+    an H200 (``benchmarks/results/mla_sweep_h200.txt``)."""
     if q.dtype != torch.bfloat16:
         return "fp32"
     if cache.dtype in FP8_DTYPES:
@@ -474,31 +455,14 @@ def mla_decode(
     block_n: int | None = None,
     num_stages: int | None = None,
     num_warps: int | None = None,
-    dots: str | None = None,
-    prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention; the Triton kernels where they apply, else the reference with
     a one-time log line naming why. ``max_seq_len`` (a host int, at least
     ``seq_lens.max()``) sizes the split-KV grid without reading ``seq_lens`` back
     from the device. ``reference_because``: take the reference, logging this
-    reason (the caller's setting). ``dots``: the dots' operand format, by default
-    ``dot_format``'s; an FP8 cache under a bf16 query also takes ``"bf16"`` (its
-    values are exact there too), and any pair ``"fp32"``. ``prefetch``: each
-    iteration issues the next tile's cache reads (and its block-table read)
-    before this tile's dots, so their latency overlaps the dots instead of
-    preceding them (Triton's pipeliner stages only loads that reach a dot
-    unconverted; the FP8 tile is converted on the way); 8 warps on NVIDIA unless
-    given (at 4 the second tile spills). Untimed on a GPU."""
+    reason (the caller's setting). The dots take ``dot_format``'s operands."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(192)
-    # A dot format the pair cannot take is refused on either path.
-    fitting = dot_format(q, cache)
-    if dots is None:
-        dots = fitting
-    elif dots not in {"fp32", fitting, *FP8_ALTERNATIVES.get(fitting, ())}:
-        raise ValueError(
-            f"{dots} dots for a {q.dtype} query over a {cache.dtype} cache"
-        )
     reason = reference_because or _unsupported(q, cache, value_dim)
     log_path("MLA decode", reason)
     if reason is not None:
@@ -521,11 +485,9 @@ def mla_decode(
     else:
         longest = int(seq_lens.max()) if batch else 0
     # fp32 dots hold twice the registers: at 4 warps they spill 11 KB on sm90 and
-    # ptxas takes minutes over them; prefetch holds a second tile: 376 bytes
-    # spilled at 4 warps, none at 8.
-    num_warps = num_warps or platform_warps(
-        nvidia=8 if dots == "fp32" or prefetch else 4, amd=4
-    )
+    # ptxas takes minutes over them.
+    dots = dot_format(q, cache)
+    num_warps = num_warps or platform_warps(nvidia=8 if dots == "fp32" else 4, amd=4)
     if num_splits is None:
         num_splits = default_num_splits(
             longest, batch * rows * triton.cdiv(heads, block_h), q.device, num_warps
@@ -574,7 +536,6 @@ def mla_decode(
             BLOCK_N=block_n,
             PAGE_TILES=page_size % block_n == 0,
             DOTS=DOTS[dots],
-            PREFETCH=prefetch,
             INTERPRETED=interpreted(),
             num_warps=num_warps,
             num_stages=num_stages or DEFAULT_STAGES,

@@ -1,5 +1,5 @@
-"""Latent fused MoE for Kimi-K3 (FP8 activations; FP8 or MXFP4 expert weights): the
-Triton kernels, their launcher, and the PyTorch reference.
+"""Latent fused MoE for Kimi-K3 (FP8 activations, the checkpoint's MXFP4 expert
+weights): the Triton kernels, their launcher, and the PyTorch reference.
 
 On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weights``
 ``[T, top_k]``:
@@ -9,10 +9,10 @@ On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weigh
    activations are quantized to FP8 (``scale = max|z_t| / fp8_max``) and the
    output rows zeroed (past 1,024 pairs, and on AMD, a second launch places the
    pairs);
-2. the gate/up GEMM, per block, against ``w13`` ``[E, 2I, L]`` (one dot over gate
-   and up rows interleaved), dequantized, SiTU-GLU -> ``h`` ``[pairs, I]``;
+2. the gate/up GEMM, per block, against ``w13`` (``[E, 2I, L]`` values; one dot over
+   gate and up rows interleaved), SiTU-GLU -> ``h`` ``[pairs, I]``;
 3. ``h`` is requantized to FP8 per row;
-4. the down GEMM, per block, against ``w2`` ``[E, L, I]``, dequantized, times the
+4. the down GEMM, per block, against ``w2`` (``[E, L, I]`` values), times the
    routing weight, added into the token's output row.
 
 Four launches at decode sizes (five on AMD): each launch costs a few microseconds
@@ -21,23 +21,12 @@ H200 (a grouping and a quantization of one token took 5-6 µs each in a graph
 replay, ``benchmarks/results/moe_tiles_h200.txt``).
 
 FP8 is OCP ``float8_e4m3fn`` (MI355X, CUDA) or ``float8_e4m3fnuz`` (gfx94x, max 240):
-FP8 weights carry their own dtype and the activations follow it; for MXFP4 weights the
-caller names the activation dtype (``fp8_dtype``, the platform's FP8).
+the caller names the activations' dtype (``fp8_dtype``, the platform's FP8).
 
-Weight formats: ``"fp8"`` (e4m3 values with one scale per output channel),
-``"fp8-block"`` (e4m3 values with one scale per 128 x 128 block) and ``"mxfp4"``
-(the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per 32 inputs).
-
-FP8 weights: the kernels multiply FP8 activations by FP8 weights with ``tl.dot``
-into fp32 and apply the weight scale per K tile (per-channel scales after the K
-loop); every FP8 x FP8 product is exact in fp32. On Hopper the FP8 MMA adds
-products in a narrower accumulator: by default each K tile's sum (128 products)
-goes into the fp32 one, which kept the gate/up output within 1.9e-4 of its largest
-on an H200 at K3's shapes (the promotion interval of DeepSeek-V3's FP8 GEMMs);
-``imprecise_products=0`` makes the sums exact, so the kernels differ from the
-reference only by summation order (the interpreter and the tests' stage checks),
-"never" is vLLM's ``fused_moe``. Under 64-row blocks on NVIDIA the dots run
-transposed (weights @ activations), so the FP8 tensor-core MMA takes them.
+The weights are the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per
+32 inputs. FP8 expert checkpoints are vLLM's ``FusedMoE``'s to run: this kernel
+with FP8 weights measured 0.72x of vLLM's ``fused_moe`` GEMMs at 4,096 tokens on an
+H200 (``benchmarks/results/kernels_h200.md``).
 
 MXFP4 weights (W4A8): ``tl.dot_scaled`` takes the packed e2m1 bytes and their e8m0
 scales as they are stored, and the FP8 activations, in K tiles of whole scale
@@ -51,7 +40,7 @@ bits, so byte 0 (2^-127) scales its 32 values (at most 6 · 2^-127) to 0. Decodi
 to e4m3 instead (every e2m1 value is
 exact there, but a value times its scale is not) needs a rescale of the
 accumulator at every 32-wide scale group: 9-13x slower than FP8 weights on an
-H200 (``benchmarks/results/kernels_h200.md``).
+H200 (``kernels_h200.md``).
 """
 
 from __future__ import annotations
@@ -72,16 +61,13 @@ from k3_triton_kernels.runtime import (
 )
 
 FP8 = torch.float8_e4m3fn
-SCALE_BLOCK = 128
 
 
 class ExpertWeights(NamedTuple):
-    """``fmt`` "fp8": ``w13`` ``[E, 2I, L]`` fp8 and ``w13_scale`` ``[E, 2I]`` fp32
-    (same for ``w2`` ``[E, L, I]``). "fp8-block": ``w13_scale`` ``[E, ⌈2I/128⌉,
-    ⌈L/128⌉]`` fp32, one scale per 128 x 128 block. "mxfp4": ``w13`` ``[E, 2I, L/2]``
-    uint8 and ``w13_scale`` ``[E, 2I, L/32]`` uint8."""
+    """MXFP4 experts as the checkpoint stores them: ``w13`` ``[E, 2I, L/2]`` uint8
+    (two e2m1 values a byte, gate rows then up rows) and ``w13_scale`` ``[E, 2I,
+    L/32]`` uint8 (e8m0); ``w2`` ``[E, L, I/2]`` and ``w2_scale`` ``[E, L, I/32]``."""
 
-    fmt: str
     w13: torch.Tensor
     w13_scale: torch.Tensor
     w2: torch.Tensor
@@ -98,20 +84,9 @@ def quantize_per_row(
     return (x.float() / scale[..., None]).clamp(-fp8_max, fp8_max).to(dtype), scale
 
 
-def activation_dtype(
-    experts: ExpertWeights, fp8_dtype: torch.dtype | None = None
-) -> torch.dtype:
-    """The FP8 dtype of the activations: FP8 weights' own dtype, else ``fp8_dtype``
-    (default OCP e4m3fn)."""
-    if experts.fmt == "mxfp4":
-        dtype = FP8 if fp8_dtype is None else fp8_dtype
-    else:
-        dtype = experts.w13.dtype
-        if fp8_dtype is not None and fp8_dtype != dtype:
-            raise ValueError(
-                f"activations in {fp8_dtype} against {dtype} weights: FP8 weights "
-                "and activations must share one FP8 dtype"
-            )
+def activation_dtype(fp8_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The FP8 dtype of the activations: ``fp8_dtype``, by default OCP e4m3fn."""
+    dtype = FP8 if fp8_dtype is None else fp8_dtype
     if dtype not in FP8_DTYPES:
         raise ValueError(f"{dtype} is not an FP8 dtype the MoE reads ({FP8_DTYPES})")
     return dtype
@@ -121,12 +96,6 @@ def dequantize(weights: ExpertWeights, which: str) -> torch.Tensor:
     """One projection of every expert in fp32."""
     values = getattr(weights, which)
     scale = getattr(weights, which + "_scale")
-    if weights.fmt == "fp8":
-        return values.float() * scale.float()[..., None]
-    if weights.fmt == "fp8-block":
-        _, rows, cols = values.shape
-        expanded = scale.float().repeat_interleave(SCALE_BLOCK, 1)[:, :rows]
-        return values.float() * expanded.repeat_interleave(SCALE_BLOCK, 2)[..., :cols]
     experts, rows, half = values.shape
     flat = mxfp4_decode(values.reshape(-1, half), scale.reshape(experts * rows, -1))
     return flat.reshape(experts, rows, half * 2)
@@ -145,16 +114,35 @@ def latent_moe_reference(
     linear_beta: float = 25.0,
     fp8_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    return routed_experts_reference(
+        z, ids, weights, dequantize(experts, "w13"), dequantize(experts, "w2"),
+        beta=beta, linear_beta=linear_beta, fp8_dtype=fp8_dtype,
+    )  # fmt: skip
+
+
+def routed_experts_reference(
+    z: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    beta: float = 4.0,
+    linear_beta: float = 25.0,
+    fp8_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The kernel's job on expert weights given in fp32 (``w13`` ``[E, 2I, L]``,
+    ``w2`` ``[E, L, I]``), whatever format they were decoded from: the latent and
+    the intermediate quantized to FP8 per row, the routed experts' weighted sum
+    ``[T, L]`` in fp32."""
     tokens, latent = z.shape
-    dtype = activation_dtype(experts, fp8_dtype)
-    w13 = dequantize(experts, "w13")
-    w2 = dequantize(experts, "w2")
+    dtype = activation_dtype(fp8_dtype)
     inner = w13.shape[1] // 2
     z_q, z_scale = quantize_per_row(z, dtype)
     z_deq = z_q.float() * z_scale[:, None]
     out = torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
     for expert in ids.unique().tolist():
-        if not 0 <= expert < experts.w13.shape[0]:
+        if not 0 <= expert < w13.shape[0]:
             continue  # another rank's expert (expert parallelism): not here
         rows, slots = (ids == expert).nonzero(as_tuple=True)
         gate_up = z_deq[rows] @ w13[expert].T
@@ -206,7 +194,6 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-FORMATS = {"fp8": 0, "mxfp4": 1, "fp8-block": 2}
 # Where each e4m3 flavour's subnormals end (2^(1 - bias)), their steps per unit
 # (2^(bias + 2): three mantissa bits below the smallest normal), and its NaN byte.
 E4M3_RANGES = {
@@ -217,8 +204,6 @@ E4M3_RANGES = {
     }
     for dtype, bias in E4M3_EXPONENT_BIAS.items()
 }
-# The K span of one weight scale (per-channel FP8 has one scale for all of K).
-SCALE_SPAN = {"mxfp4": MXFP4_BLOCK, "fp8-block": SCALE_BLOCK}
 
 if triton is not None:
 
@@ -228,7 +213,6 @@ if triton is not None:
         s_ptr,
         expert,
         n,
-        k,
         k0,
         k_limit,
         stride_we,
@@ -236,49 +220,24 @@ if triton is not None:
         stride_se,
         stride_sn,
         n_mask,
-        k_mask,
-        FMT: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
-        """One expert's ``[BLOCK_N, BLOCK_K]`` tile and its scales. FP8: the values
-        and the scale of each output row for this K tile (``BLOCK_K`` divides the
-        format's ``SCALE_SPAN``, so one scale holds over the tile). MXFP4: the
-        ``[BLOCK_N, BLOCK_K / 2]`` packed bytes and ``[BLOCK_N, BLOCK_K / 32]``
-        e8m0 scale bytes, for ``tl.dot_scaled``."""
-        # One branch per format, one return after them: Triton compiles the code
-        # after an early return in a constexpr branch too, and an FP8 load with an
-        # integer ``other`` does not compile.
-        if FMT == 1:  # MXFP4: two e2m1 values a byte, an e8m0 scale per 32
-            # The packed bytes and scale bytes as they are: ``tl.dot_scaled``
-            # decodes them (K is a multiple of 32 in this format, so a K tile
-            # covers whole scale groups; past K, zero bytes and unit scales).
-            pair = k0 // 2 + tl.arange(0, k.shape[0] // 2)
-            values = tl.load(
-                w_ptr + expert * stride_we + n[:, None] * stride_wn + pair[None, :],
-                mask=n_mask[:, None] & (pair < k_limit // 2)[None, :],
-                other=0,
-            )
-            group = k0 // 32 + tl.arange(0, k.shape[0] // 32)
-            scale = tl.load(
-                s_ptr + expert * stride_se + n[:, None] * stride_sn + group[None, :],
-                mask=n_mask[:, None] & (group < k_limit // 32)[None, :],
-                other=127,
-            )
-        else:  # FP8 values, one a byte
-            values = tl.load(
-                w_ptr + expert * stride_we + n[:, None] * stride_wn + k[None, :],
-                mask=n_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            if FMT == 0:
-                scale = tl.load(
-                    s_ptr + expert * stride_se + n * stride_sn, mask=n_mask, other=0.0
-                )
-            else:
-                scale = tl.load(
-                    s_ptr + expert * stride_se + (n // 128) * stride_sn + k0 // 128,
-                    mask=n_mask,
-                    other=0.0,
-                )
+        """One expert's tile of ``BLOCK_K`` inputs for rows ``n``, as stored: the
+        ``[BLOCK_N, BLOCK_K / 2]`` packed e2m1 bytes and ``[BLOCK_N, BLOCK_K / 32]``
+        e8m0 scale bytes, which ``tl.dot_scaled`` decodes (``BLOCK_K`` covers
+        whole scale groups; past K, zero bytes and unit scales)."""
+        pair = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        values = tl.load(
+            w_ptr + expert * stride_we + n[:, None] * stride_wn + pair[None, :],
+            mask=n_mask[:, None] & (pair < k_limit // 2)[None, :],
+            other=0,
+        )
+        group = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        scale = tl.load(
+            s_ptr + expert * stride_se + n[:, None] * stride_sn + group[None, :],
+            mask=n_mask[:, None] & (group < k_limit // 32)[None, :],
+            other=127,
+        )
         return values, scale
 
     @triton.jit
@@ -511,66 +470,19 @@ if triton is not None:
                 tl.store(out_row + c, tl.zeros((BLOCK,), tl.float32), mask=c < cols)
 
     @triton.jit
-    def _accumulate(
-        acc,
-        x,
-        w,
-        scale,
-        FMT: tl.constexpr,
-        SWAP_AB: tl.constexpr,
-        IMPRECISE: tl.constexpr,
-        X_FORMAT: tl.constexpr,
-    ):
-        """``acc`` plus ``x @ w^T``, scaled per weight row unless per-channel
-        (``FMT`` 0: that scale holds over all of K and is applied after the loop,
-        so the dot accumulates in place). FP8 x FP8 products are exact in fp32;
-        Hopper's FP8 MMA (wgmma) adds them in a narrower accumulator, whose sum
-        goes into the fp32 one after at most ``IMPRECISE`` products (0: after
-        every instruction, exact; None: Triton's default, never).
-        ``SWAP_AB``: ``acc`` is held transposed and the dot runs as ``w @ x^T``,
-        the weight rows its M: wgmma needs M of 64 or more, and under 64 rows
-        Triton converts both operands to fp16 for the older MMA instead.
-        MXFP4 (``FMT`` 1): ``tl.dot_scaled`` of the packed e2m1 weights with their
-        e8m0 scales and the activations as ``X_FORMAT`` ("e4m3": OCP FP8;
-        "bf16": another FP8, whose values bf16 holds exactly)."""
-        # One branch per case, one return after them (see _load_weight_tile).
-        if FMT == 1:
-            if X_FORMAT == "bf16":
-                x = x.to(tl.bfloat16)
-            if SWAP_AB:
-                acc = tl.dot_scaled(w, scale, "e2m1", tl.trans(x), None, X_FORMAT, acc)
-            else:
-                acc = tl.dot_scaled(x, None, X_FORMAT, tl.trans(w), scale, "e2m1", acc)
+    def _accumulate(acc, x, w, scale, SWAP_AB: tl.constexpr, X_FORMAT: tl.constexpr):
+        """``acc`` plus ``x @ w^T``: ``tl.dot_scaled`` of the activations as
+        ``X_FORMAT`` ("e4m3": OCP FP8; "bf16": another FP8, whose values bf16 holds
+        exactly) and the packed e2m1 weights with their e8m0 scales. ``SWAP_AB``:
+        ``acc`` is held transposed and the dot runs as ``w @ x^T``, the weight rows
+        its M (Hopper's wgmma needs M of 64 or more)."""
+        if X_FORMAT == "bf16":
+            x = x.to(tl.bfloat16)
+        if SWAP_AB:
+            acc = tl.dot_scaled(w, scale, "e2m1", tl.trans(x), None, X_FORMAT, acc)
         else:
-            if SWAP_AB:
-                lhs, rhs = w, tl.trans(x)
-            else:
-                lhs, rhs = x, tl.trans(w)
-            if FMT == 0:
-                acc = tl.dot(
-                    lhs,
-                    rhs,
-                    acc,
-                    out_dtype=tl.float32,
-                    max_num_imprecise_acc=IMPRECISE,
-                )
-            else:
-                tile = tl.dot(
-                    lhs, rhs, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE
-                )
-                if SWAP_AB:
-                    acc += tile * scale[:, None]
-                else:
-                    acc += tile * scale[None, :]
+            acc = tl.dot_scaled(x, None, X_FORMAT, tl.trans(w), scale, "e2m1", acc)
         return acc
-
-    @triton.jit
-    def _channel_scale(s_ptr, expert, n, stride_se, stride_sn, n_mask):
-        """Per-channel FP8's scales of weight rows ``n``, as a ``[1, len(n)]`` row."""
-        scale = tl.load(
-            s_ptr + expert * stride_se + n * stride_sn, mask=n_mask, other=0.0
-        )
-        return scale[None, :]
 
     @triton.jit
     def _block_rows(rows_ptr, block_expert_ptr, block, top_k, BLOCK_M: tl.constexpr):
@@ -604,13 +516,11 @@ if triton is not None:
         stride_hm,
         beta,
         linear_beta,
-        FMT: tl.constexpr,
         X_FORMAT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr,
-        IMPRECISE: tl.constexpr,
     ):
         block = tl.program_id(0)
         if block * BLOCK_M >= tl.load(used_rows_ptr):
@@ -641,14 +551,12 @@ if triton is not None:
                 other=0.0,
             )
             w, s = _load_weight_tile(
-                w_ptr, s_ptr, expert, w_rows, k, k0, latent,
-                stride_we, stride_wn, stride_se, stride_sn, w_mask, k_mask, FMT,
+                w_ptr, s_ptr, expert, w_rows, k0, latent,
+                stride_we, stride_wn, stride_se, stride_sn, w_mask, BLOCK_K,
             )  # fmt: skip
-            acc = _accumulate(acc, a, w, s, FMT, SWAP_AB, IMPRECISE, X_FORMAT)
+            acc = _accumulate(acc, a, w, s, SWAP_AB, X_FORMAT)
         if SWAP_AB:
             acc = tl.trans(acc)
-        if FMT == 0:
-            acc *= _channel_scale(s_ptr, expert, w_rows, stride_se, stride_sn, w_mask)
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         a_scale = tl.load(a_scale_ptr + token, mask=valid, other=0.0)
         gate = gate * a_scale[:, None]
@@ -683,13 +591,11 @@ if triton is not None:
         stride_se,
         stride_sn,
         stride_om,
-        FMT: tl.constexpr,
         X_FORMAT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SWAP_AB: tl.constexpr,
-        IMPRECISE: tl.constexpr,
         ROWS_FIRST: tl.constexpr,
     ):
         # The launch order: by default a row block's column programs run side by
@@ -718,14 +624,12 @@ if triton is not None:
                 other=0.0,
             )
             w, w_scale = _load_weight_tile(
-                w_ptr, s_ptr, expert, n, k, k0, inner,
-                stride_we, stride_wn, stride_se, stride_sn, n_mask, k_mask, FMT,
+                w_ptr, s_ptr, expert, n, k0, inner,
+                stride_we, stride_wn, stride_se, stride_sn, n_mask, BLOCK_K,
             )  # fmt: skip
-            acc = _accumulate(acc, h, w, w_scale, FMT, SWAP_AB, IMPRECISE, X_FORMAT)
+            acc = _accumulate(acc, h, w, w_scale, SWAP_AB, X_FORMAT)
         if SWAP_AB:
             acc = tl.trans(acc)
-        if FMT == 0:
-            acc *= _channel_scale(s_ptr, expert, n, stride_se, stride_sn, n_mask)
         h_scale = tl.load(h_scale_ptr + m, mask=valid, other=0.0)
         routing = tl.load(routing_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
         acc = acc * (h_scale * routing)[:, None]
@@ -853,12 +757,6 @@ def quantize_rows(
     return values, scale
 
 
-def _unsupported(z: torch.Tensor, experts: ExpertWeights) -> str | None:
-    if experts.fmt not in FORMATS:
-        return f"weight format {experts.fmt!r}"
-    return triton_blocker(z.device)
-
-
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the first: 2^31 - 1)
 
 
@@ -874,46 +772,31 @@ def down_grid(
     return (column_blocks, row_blocks), False
 
 
-def _check_block_k(fmt: str, block_k: int) -> None:
-    """A K tile holds one scale of block-scaled FP8 (it divides the 128-wide
-    block) and whole MXFP4 scale groups (a multiple of 32)."""
-    span = SCALE_SPAN.get(fmt)
-    if block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"block_k {block_k}: a power of two ≥ 16")
-    if fmt == "fp8-block" and span % block_k:
+def _check_block_k(block_k: int) -> None:
+    """A K tile holds whole MXFP4 scale groups."""
+    if block_k < MXFP4_BLOCK or block_k & (block_k - 1):
         raise ValueError(
-            f"block_k {block_k} must divide the {span}-wide scale block "
-            "(one scale per K tile)"
-        )
-    if fmt == "mxfp4" and block_k % span:
-        raise ValueError(
-            f"block_k {block_k} must be a multiple of the {span}-wide MXFP4 scale "
-            "group (whole groups a K tile)"
+            f"block_k {block_k}: a power of two ≥ {MXFP4_BLOCK} (whole MXFP4 scale "
+            "groups a K tile)"
         )
 
 
-def default_tiles(fmt: str, tokens: int) -> tuple[int, int, int]:
-    """``(block_m, block_n, block_k)`` of the two GEMMs, from sweeps and benchmark
-    runs on an H200 of K3's 112 experts a device, top-16, latent 3584, inner 3072
-    (``benchmarks/sweep_moe_tiles.py``, ``benchmarks/results/moe_tiles_h200.txt``,
-    ``kernels_h200.md``).
-
-    FP8: 64 x 128 tiles; block_m 16 under 256 tokens, 64 from 256. 128-row blocks
-    measured faster for per-channel scales from 1,024 tokens (4,096 tokens: 7.6-7.9
-    ms against 8.0-8.1) when the FP8 sums were never promoted; adding each K
-    tile's sum into fp32 (the default since) needs a second accumulator, which at
-    128 rows and 4 warps spills 80 bytes on sm90, so 64 it is until a sweep says
-    otherwise. Block scales took 16.2 ms at 128 against 10.0 at 64. 128-wide tiles
+def default_tiles(tokens: int) -> tuple[int, int, int]:
+    """``(block_m, block_n, block_k)`` of the two GEMMs: the 64 x 128 tiles that
+    sweeps and benchmark runs on an H200 found fastest for this kernel with FP8
+    weights at K3's shapes (112 experts a device, top-16, latent 3584, inner 3072;
+    ``benchmarks/sweep_moe_tiles.py``, ``benchmarks/results/moe_tiles_h200.txt``,
+    ``kernels_h200.md``): block_m 16 under 256 tokens, 64 from 256; 128-wide tiles
     for one token measured 7% faster in the sweep and 6% slower in the benchmark
-    run after it: not taken. MXFP4 takes the FP8 tiles (untimed): its K tile of
-    128 covers four scale groups; from 256 tokens it takes K tiles of 64, two
-    groups. There, at 128, sm90's gate/up GEMM (the weights decoded to bf16 for
-    the dot) holds 255 registers, on the cap: Triton 3.5, 3.6 and 3.8 (vLLM
-    0.33's) spill 16 bytes, 3.9 none. At 64 it holds 248 (3.8) and 226 (3.9), two
-    programs a multiprocessor, and the down GEMM fits three where 128 fits two
-    (``tests/kernels/cross_compile.py``). Untimed."""
+    run after it: not taken. MXFP4's own tiles are untimed: its K tile of 128
+    covers four scale groups; from 256 tokens it takes K tiles of 64, two groups.
+    There, at 128, sm90's gate/up GEMM (the weights decoded to bf16 for the dot)
+    holds 255 registers, on the cap: Triton 3.5, 3.6 and 3.8 (vLLM 0.33's) spill
+    16 bytes, 3.9 none. At 64 it holds 248 (3.8) and 226 (3.9), two programs a
+    multiprocessor, and the down GEMM fits three where 128 fits two
+    (``tests/kernels/cross_compile.py``)."""
     block_m = 64 if tokens >= 256 else 16
-    block_k = 64 if fmt == "mxfp4" and tokens >= 256 else 128
+    block_k = 64 if tokens >= 256 else 128
     return block_m, 64, block_k
 
 
@@ -932,42 +815,33 @@ def latent_moe(
     num_warps: int = 4,
     num_stages: int | None = None,
     swap_ab: bool | None = None,
-    imprecise_products: int | str = "k-tile",
     down_rows_first: bool = False,
 ) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, L]`` in fp32 (Triton where it runs, else
     the reference). Both leave out pairs routed outside ``[0, E)``: another rank's
-    experts. ``fp8_dtype``: the activations' FP8 dtype for MXFP4 weights. Tiles:
+    experts. ``fp8_dtype``: the activations' FP8 dtype. Tiles:
     ``default_tiles`` unless given. ``swap_ab``: run the GEMMs' dots as weights
     times activations (see ``_accumulate``); by default under 64-row blocks off
-    AMD (whose MFMA takes 16 rows as they are). ``imprecise_products``: FP8
-    products Hopper's MMA may add in its narrower accumulator before they go into
-    the fp32 one: ``"k-tile"`` (the default) a K tile's, 0 none (sums exact to
-    fp32), up to ``block_k``, or ``"never"`` (Triton's default, as vLLM's
-    ``fused_moe``). On an H200 at K3's shapes (``compare_variants.py``,
-    ``benchmarks/results/variants_h200.txt``) a K tile's (128) leaves the gate/up
-    output 1.9e-4 of its largest from exact, "never" 3.1e-3; exact sums cost
-    23% at one token and 45% at 4,096 over a K tile's, "never" saves up to 17%;
-    MXFP4 weights take no narrow accumulator (see the module's text).
+    AMD (whose MFMA takes 16 rows as they are).
     ``down_rows_first``: the down GEMM's programs in the gate/up GEMM's order, row
     blocks first. Each column block then sweeps every row block, so once the FP8
     intermediate outgrows the L2 it is read from HBM once per column block (4,096
     tokens: 201 MB, 56 times, 11 GB against the weights' 1.2 GB); by default a
     row block's column programs run side by side and share its rows in the L2,
     and consecutive row blocks (one expert's) share that expert's weights."""
-    tiles = default_tiles(experts.fmt, z.shape[0])
+    tiles = default_tiles(z.shape[0])
     block_m, block_n, block_k = (
         given or default
         for given, default in zip((block_m, block_n, block_k), tiles, strict=True)
     )
-    _check_block_k(experts.fmt, block_k)
-    dtype = activation_dtype(experts, fp8_dtype)
-    if experts.fmt == "mxfp4" and (z.shape[1] % 32 or experts.w2.shape[2] % 16):
+    _check_block_k(block_k)
+    dtype = activation_dtype(fp8_dtype)
+    if z.shape[1] % 32 or experts.w2.shape[2] % 16:
         raise ValueError(
             f"MXFP4 experts need latent and inner sizes that are multiples of 32 "
             f"(one scale per 32 inputs); got {z.shape[1]} and {experts.w2.shape[2] * 2}"
         )
-    reason = _unsupported(z, experts)
+    reason = triton_blocker(z.device)
     log_path("Latent MoE", reason)
     if reason is not None:
         return latent_moe_reference(
@@ -978,7 +852,6 @@ def latent_moe(
     top_k = ids.shape[1]
     num_experts = experts.w13.shape[0]
     inner = experts.w13.shape[1] // 2
-    fmt = FORMATS[experts.fmt]
     if ids.numel() == 0:  # no pair: nothing to group, quantize or add
         return torch.zeros(tokens, latent, dtype=torch.float32, device=z.device)
     rows, block_expert, used_rows, z_q, z_scale, out = prepare_rows(
@@ -988,20 +861,9 @@ def latent_moe(
     h = torch.empty(rows.numel(), inner, dtype=torch.float32, device=z.device)
     if swap_ab is None:
         swap_ab = block_m < 64 and not runtime.on_rocm()
-    imprecise = {"k-tile": block_k, "never": None}.get(
-        imprecise_products, imprecise_products
-    )
-    if imprecise is not None and not (
-        isinstance(imprecise, int) and 0 <= imprecise <= block_k
-    ):
-        raise ValueError(
-            f"imprecise_products {imprecise_products!r}: 'k-tile', 'never' or 0 to "
-            f"block_k ({block_k})"
-        )
     launch = {
         "num_warps": num_warps,
         "SWAP_AB": swap_ab,
-        "IMPRECISE": imprecise,
         "X_FORMAT": "e4m3" if dtype == torch.float8_e4m3fn else "bf16",
     }
     if num_stages is not None:  # else Triton's default for the platform
@@ -1012,8 +874,7 @@ def latent_moe(
         z_q, z_scale, rows, block_expert, used_rows, w13, s13, h, top_k, latent, inner,
         z_q.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         h.stride(0), beta, linear_beta,
-        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         **launch,
     )  # fmt: skip
     h_q, h_scale = quantize_rows(h, dtype, rows=rows, used_rows=used_rows)
@@ -1027,49 +888,11 @@ def latent_moe(
         latent, inner,
         h_q.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         out.stride(0),
-        FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, ROWS_FIRST=down_rows_first,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROWS_FIRST=down_rows_first,
         **launch,
     )  # fmt: skip
     return out
-
-
-def fp8_experts_from(
-    w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = FP8
-) -> ExpertWeights:
-    """fp32 expert weights quantized to FP8 with a scale per output channel."""
-    return ExpertWeights(
-        "fp8", *quantize_per_row(w13, dtype), *quantize_per_row(w2, dtype)
-    )
-
-
-def quantize_per_block(
-    w: torch.Tensor, dtype: torch.dtype = FP8
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[E, R, C]`` to FP8 with one scale per 128 x 128 block (edge blocks partial)."""
-    fp8_max = float(torch.finfo(dtype).max)
-    experts, rows, cols = w.shape
-    row_blocks = -(-rows // SCALE_BLOCK)
-    col_blocks = -(-cols // SCALE_BLOCK)
-    padded = w.float().new_zeros(
-        experts, row_blocks * SCALE_BLOCK, col_blocks * SCALE_BLOCK
-    )
-    padded[:, :rows, :cols] = w.float()
-    blocks = padded.view(experts, row_blocks, SCALE_BLOCK, col_blocks, SCALE_BLOCK)
-    peak = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12)
-    scale = peak / fp8_max
-    values = (blocks / scale[:, :, None, :, None]).clamp(-fp8_max, fp8_max)
-    values = values.view_as(padded)[:, :rows, :cols].to(dtype)
-    return values, scale
-
-
-def fp8_block_experts_from(
-    w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype = FP8
-) -> ExpertWeights:
-    """fp32 expert weights quantized to FP8 with a scale per 128 x 128 block."""
-    return ExpertWeights(
-        "fp8-block", *quantize_per_block(w13, dtype), *quantize_per_block(w2, dtype)
-    )
 
 
 def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
@@ -1081,16 +904,15 @@ def mxfp4_experts_from(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
         packed, scale = zip(*(mxfp4_encode(expert) for expert in w))
         return torch.stack(packed), torch.stack(scale)
 
-    return ExpertWeights("mxfp4", *pack(w13), *pack(w2))
+    return ExpertWeights(*pack(w13), *pack(w2))
 
 
 __all__ = [
     "ExpertWeights",
     "activation_dtype",
-    "fp8_block_experts_from",
-    "fp8_experts_from",
     "latent_moe",
     "latent_moe_reference",
     "mxfp4_experts_from",
+    "routed_experts_reference",
     "sort_by_expert",
 ]
