@@ -13,6 +13,7 @@ import torch
 
 from k3_triton_kernels.kda import decode as kernel
 from tests.kernels.placement import DEVICE
+from tests.support.tensors import assert_close
 
 
 def _case(
@@ -58,7 +59,7 @@ def test_kernel_matches_reference(tokens, heads, dim):
     got = _run(kernel.kda_decode, case)
     want = _run(kernel.kda_decode_reference, case)
     for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert_close(a, b, atol=1e-5, rtol=1e-5, what="step", same_dtype=True)
 
 
 def test_a_bf16_conv_state_is_read_and_written_like_the_reference():
@@ -66,9 +67,9 @@ def test_a_bf16_conv_state_is_read_and_written_like_the_reference():
     case["qkv"] = case["qkv"].to(torch.bfloat16)
     got = _run(kernel.kda_decode, case)
     want = _run(kernel.kda_decode_reference, case)
-    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert_close(got[0], want[0], atol=1e-5, rtol=1e-5, what="out", same_dtype=True)
     assert torch.equal(got[1], want[1])  # the shifted taps and the new input, exact
-    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5)
+    assert_close(got[2], want[2], atol=1e-5, rtol=1e-5, what="state", same_dtype=True)
 
 
 def test_slots_not_in_the_batch_are_untouched():
@@ -92,13 +93,15 @@ def test_a_transposed_conv_state_and_several_steps():
         kernel_case["qkv"] = ref_case["qkv"] = step_input
         got = kernel.kda_decode(**kernel_case)
         want = kernel.kda_decode_reference(**ref_case)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernel_case["conv_state"], ref_case["conv_state"])
-    torch.testing.assert_close(
+        assert_close(got, want, atol=1e-5, rtol=1e-5, what="out", same_dtype=True)
+    assert torch.equal(kernel_case["conv_state"], ref_case["conv_state"])
+    assert_close(
         kernel_case["recurrent_state"],
         ref_case["recurrent_state"],
         atol=1e-5,
         rtol=1e-5,
+        what="recurrent state",
+        same_dtype=True,
     )
 
 

@@ -165,8 +165,8 @@ def test_the_narrowest_latent_a_dot_takes_runs_on_the_kernel():
     ref_out, ref_lse = kernel.mla_decode_reference(
         q, cache, table, lens, value_dim=16, softmax_scale=SCALE
     )
-    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert_close(out, ref_out, atol=1e-4, rtol=1e-4, what="out", same_dtype=True)
+    assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4, what="lse", same_dtype=True)
 
 
 @pytest.mark.falls_back

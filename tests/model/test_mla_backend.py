@@ -16,6 +16,7 @@ import torch
 
 from k3_triton_kernels.mla import decode as kernel
 from tests.support.host_reads import no_host_reads
+from tests.support.tensors import assert_close
 from vllm_k3_plugin.model.mla_backend import (
     K3CpuMlaBackend,
     K3CpuMlaImpl,
@@ -69,10 +70,9 @@ def test_flattened_speculative_rows_each_see_their_prefix(rows):
         softmax_scale=SCALE,
         kv_scale=0.5,
     )
-    torch.testing.assert_close(
-        out, want_out.view(-1, HEADS, LATENT), atol=1e-4, rtol=1e-4
-    )
-    torch.testing.assert_close(lse, want_lse.view(-1, HEADS), atol=1e-4, rtol=1e-4)
+    want_out, want_lse = want_out.view(-1, HEADS, LATENT), want_lse.view(-1, HEADS)
+    assert_close(out, want_out, atol=1e-4, rtol=1e-4, what="out", same_dtype=True)
+    assert_close(lse, want_lse, atol=1e-4, rtol=1e-4, what="lse", same_dtype=True)
 
 
 def test_non_causal_rows_all_see_the_whole_sequence():
@@ -82,7 +82,9 @@ def test_non_causal_rows_all_see_the_whole_sequence():
     out, _ = _decode(q, cache, table, lens, causal=False)
     for r in range(4):
         alone, _ = _decode(q[r : r + 1], cache, table, lens)
-        torch.testing.assert_close(out[r : r + 1], alone, atol=1e-4, rtol=1e-4)
+        assert_close(
+            out[r : r + 1], alone, atol=1e-4, rtol=1e-4, what="row", same_dtype=True
+        )
 
 
 @pytest.mark.parametrize(("rows", "causal"), [(1, True), (4, True), (4, False)])
@@ -116,7 +118,14 @@ def test_the_cpu_backend_writes_the_fp8_latent_with_the_layer_scale():
     latent = torch.cat([kv_c, k_pe.squeeze(1)], dim=-1)
     # e4m3 keeps 3 mantissa bits: 2^-4 relative, plus the subnormal step.
     for slot, row in ((5, 0), (17, 2)):
-        torch.testing.assert_close(stored[slot], latent[row], rtol=2**-4, atol=2**-7)
+        assert_close(
+            stored[slot],
+            latent[row],
+            rtol=2**-4,
+            atol=2**-7,
+            what="slot",
+            same_dtype=True,
+        )
     untouched = torch.ones(stored.shape[0], dtype=torch.bool)
     untouched[[5, 17]] = False
     assert not stored[untouched].any()

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from k3_triton_kernels.moe import latent_moe as moe_kernel
 from tests.support.host_reads import no_host_reads
+from tests.support.tensors import assert_close
 from vllm_k3_plugin.envs import KERNELS_ENV
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import WeightShapeError
@@ -264,7 +265,7 @@ def test_kda_state_is_carried_across_chunks_and_steps(model, vllm_config):
             _kda_step(layer, vllm_config, hidden[at : at + size], [size], [2], [at > 0])
         )
         at += size
-    torch.testing.assert_close(torch.cat(pieces), whole, rtol=0, atol=1e-5)
+    assert_close(torch.cat(pieces), whole, atol=1e-5, what="pieces", same_dtype=True)
 
 
 def test_the_joined_conv_weight_is_made_once_and_follows_a_reload(model):
@@ -280,11 +281,11 @@ def test_the_joined_conv_weight_is_made_once_and_follows_a_reload(model):
         rejoined = layer._conv_weight()
         assert rejoined is not joined
         width = layer.local_width
-        torch.testing.assert_close(rejoined[width : 2 * width], original + 1.0)
+        assert torch.equal(rejoined[width : 2 * width], original + 1.0)
     finally:
         with torch.no_grad():
             layer.k_conv1d.weight.copy_(original)
-    torch.testing.assert_close(layer._conv_weight(), joined)
+    assert torch.equal(layer._conv_weight(), joined)
 
 
 @pytest.mark.parametrize("kernels", [False, True])
@@ -309,7 +310,7 @@ def test_a_prefill_taken_in_windows_equals_it_whole(
         conv, recurrent = layer.kv_cache
         results.append((out, conv[1].clone(), recurrent[1].clone()))
     for windowed, whole in zip(results[1], results[0], strict=True):
-        torch.testing.assert_close(windowed, whole, rtol=0, atol=1e-5)
+        assert_close(windowed, whole, atol=1e-5, what="windowed", same_dtype=True)
 
 
 @pytest.mark.parametrize("kernels", [False, True])
@@ -333,7 +334,7 @@ def test_a_steps_batch_is_read_back_once_for_all_kda_layers(
     shared = _gdn_metadata(spans, slots, initialized)
     _run_kda(first, vllm_config, hidden, shared)
     got = _run_kda(second, vllm_config, hidden, shared, watch=no_host_reads)
-    torch.testing.assert_close(got, alone, rtol=0, atol=1e-6)
+    assert_close(got, alone, atol=1e-6, what="batched", same_dtype=True)
 
 
 def test_kda_two_sequences_interleaved_in_one_batch(model, vllm_config):
@@ -364,12 +365,9 @@ def test_kda_two_sequences_interleaved_in_one_batch(model, vllm_config):
         [3, 0],
         [True, True],
     )
-    torch.testing.assert_close(
-        torch.cat([a[:4], b[4:]]), alone_first, rtol=0, atol=1e-5
-    )
-    torch.testing.assert_close(
-        torch.cat([a[4:], b[:4]]), alone_second, rtol=0, atol=1e-5
-    )
+    first, second = torch.cat([a[:4], b[4:]]), torch.cat([a[4:], b[:4]])
+    assert_close(first, alone_first, atol=1e-5, what="first", same_dtype=True)
+    assert_close(second, alone_second, atol=1e-5, what="second", same_dtype=True)
 
 
 def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
@@ -409,7 +407,7 @@ def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
         results.append((torch.cat(outputs), conv[[1, 4]], recurrent[[1, 4]]))
     assert kernel_model.language_model.model.layers[1].self_attn.use_kernels
     for got, want in zip(results[1], results[0], strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert_close(got, want, atol=1e-5, what="kernels", same_dtype=True)
 
 
 def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
@@ -621,7 +619,9 @@ def test_the_latent_cache_is_written_through_vllms_update_kv_cache(
     # e4m3 keeps 3 mantissa bits: 2^-4 relative, plus the subnormal step.
     tolerance = {"rtol": 2**-4, "atol": 2**-7} if fp8 else {"rtol": 0, "atol": 0}
     for slot, row in ((5, 0), (17, 2)):
-        torch.testing.assert_close(stored[slot], latent[row], **tolerance)
+        assert_close(
+            stored[slot], latent[row], **tolerance, what="slot", same_dtype=True
+        )
     untouched = torch.ones(stored.shape[0], dtype=torch.bool)
     untouched[[5, 17]] = False
     assert not stored[untouched].any()

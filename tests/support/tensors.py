@@ -14,6 +14,7 @@ def assert_close(
     rtol: float = 0.0,
     of_peak: float | None = None,
     peak_floor: float = 0.0,
+    same_dtype: bool = False,
 ) -> None:
     """``got`` within ``atol + rtol·|want|`` of ``want`` at every element
     (``torch.allclose``'s rule, with no default tolerance), or with ``of_peak``
@@ -21,7 +22,12 @@ def assert_close(
     against the largest value). Compared in float64; equal infinities are close, a
     NaN never is. Fails
     naming ``what``, how many values are off, the worst one's index, both values
-    there and the error against its bound."""
+    there and the error against its bound. ``same_dtype``: the dtypes must match
+    too (as ``torch.testing.assert_close`` requires)."""
+    if same_dtype:
+        assert got.dtype == want.dtype, (
+            f"{what}: dtype {got.dtype}, expected {want.dtype}"
+        )
     got_wide = torch.as_tensor(got).detach().to("cpu", torch.float64)
     want_wide = torch.as_tensor(want).detach().to("cpu", torch.float64)
     assert got_wide.shape == want_wide.shape, (
