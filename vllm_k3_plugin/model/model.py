@@ -44,15 +44,18 @@ from vllm_k3_plugin.model.kda import (
 )
 from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
 from vllm_k3_plugin.model.mla import GatedMlaAttention
-from vllm_k3_plugin.model.moe import LatentMoe, SituMlp, situ_betas
+from vllm_k3_plugin.model.moe import LatentMoe, SituMlp
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import (
     LANGUAGE_MODEL_PREFIX,
     MXFP4_SUFFIXES,
+    Mxfp4Halves,
     WeightShapeError,
+    attn_res_site,
     dense_weight_shapes,
     expert_weight_shapes,
     is_kda_layer,
+    situ_betas,
 )
 
 logger = init_logger("vllm.k3_plugin.model")
@@ -84,7 +87,10 @@ class DecoderLayer(nn.Module):
             )
         if layer < config.first_k_dense_replace:
             self.mlp = SituMlp(
-                hidden, config.intermediate_size, situ_betas(config), f"{prefix}.mlp"
+                hidden,
+                config.intermediate_size,
+                situ_betas(config.to_dict()),
+                f"{prefix}.mlp",
             )
         else:
             self.block_sparse_moe = LatentMoe(
@@ -107,10 +113,6 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe(x)
 
 
-def _mix(norm: RMSNorm, proj: ResidualProjection, sources: list[torch.Tensor]):
-    return ref.attn_res_mix(sources, norm.weight, proj.weight, norm.variance_epsilon)
-
-
 class K3Model(nn.Module):
     """``model.*``: embeddings, the layers, the final mix and norm."""
 
@@ -130,15 +132,10 @@ class K3Model(nn.Module):
         self.output_attn_res_proj = ResidualProjection(hidden)
 
     def mix(self, site, sources: list[torch.Tensor]) -> torch.Tensor:
-        if site == "final":
-            return _mix(self.output_attn_res_norm, self.output_attn_res_proj, sources)
-        layer, kind = site
-        owner = self.layers[layer]
-        if kind == "attn":
-            return _mix(
-                owner.self_attention_res_norm, owner.self_attention_res_proj, sources
-            )
-        return _mix(owner.mlp_res_norm, owner.mlp_res_proj, sources)
+        norm, proj = (self.get_submodule(name) for name in attn_res_site(site))
+        return ref.attn_res_mix(
+            sources, norm.weight, proj.weight, norm.variance_epsilon
+        )
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         hidden = ref.attn_res_forward(
@@ -222,25 +219,22 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         loaded_experts: set[str] = set()
-        halves: dict[str, dict[str, torch.Tensor]] = {}
+        halves = Mxfp4Halves()
         unknown: list[str] = []
         for name, tensor in weights:
             if name.endswith(MXFP4_SUFFIXES):
-                stem, _, kind = name.rpartition(".")
-                if stem not in experts:
+                if name.rpartition(".")[0] not in experts:
                     unknown.append(name)
                     continue
-                halves.setdefault(stem, {})[kind] = tensor
-                if len(halves[stem]) < 2:
+                pair = halves.add(name, tensor)
+                if pair is None:
                     continue
-                pair = halves.pop(stem)
-                _check_mxfp4_pair(stem, pair, experts[stem])
+                stem, packed, scale = pair
+                _check_mxfp4_pair(stem, packed, scale, experts[stem])
                 layer, _, tail = stem.rpartition(".experts.")
                 expert, proj = tail.split(".")
                 moe = self.get_submodule(layer)
-                for param_name in moe.load_expert(
-                    int(expert), proj, pair["weight_packed"], pair["weight_scale"]
-                ):
+                for param_name in moe.load_expert(int(expert), proj, packed, scale):
                     loaded.add(f"{layer}.{param_name}")
                 loaded_experts.add(stem)
                 continue
@@ -253,14 +247,9 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, tensor)
             loaded.add(name)
-        if halves:
-            stem, pair = next(iter(halves.items()))
-            (have,) = pair
-            raise MissingWeightsError(
-                f"{stem}.{have} has no matching "
-                f"{'weight_scale' if have == 'weight_packed' else 'weight_packed'}"
-                f" ({len(halves)} MXFP4 tensor(s) without their other half)"
-            )
+        unpaired = halves.unpaired()
+        if unpaired is not None:
+            raise MissingWeightsError(unpaired)
         missing = sorted((set(dense) - loaded) | (set(experts) - loaded_experts))
         if missing:
             raise MissingWeightsError(
@@ -341,12 +330,10 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
         )
 
 
-def _check_mxfp4_pair(stem: str, pair: dict[str, torch.Tensor], shape) -> None:
+def _check_mxfp4_pair(stem: str, packed, scale, shape) -> None:
     rows, cols = shape
-    _check_shape(f"{stem}.weight_packed", pair["weight_packed"], (rows, cols // 2))
-    _check_shape(
-        f"{stem}.weight_scale", pair["weight_scale"], (rows, cols // ref.MXFP4_BLOCK)
-    )
+    _check_shape(f"{stem}.weight_packed", packed, (rows, cols // 2))
+    _check_shape(f"{stem}.weight_scale", scale, (rows, cols // ref.MXFP4_BLOCK))
 
 
 def _report_class(model: nn.Module, config) -> None:

@@ -42,13 +42,7 @@ from vllm.platforms import current_platform
 from k3_triton_kernels.moe.latent_moe import ExpertWeights, latent_moe
 from k3_triton_kernels.runtime import log_path
 from vllm_k3_plugin.reference import reference as ref
-
-
-def situ_betas(config) -> dict[str, float]:
-    return {
-        "beta": config.activation_situ_beta,
-        "linear_beta": config.activation_situ_linear_beta,
-    }
+from vllm_k3_plugin.reference.checkpoint_format import situ_betas
 
 
 class SituMlp(nn.Module):
@@ -184,7 +178,7 @@ class LatentMoe(nn.Module):
         self.top_k = config.num_experts_per_token
         self.renormalize = config.moe_renormalize
         self.scaling = config.routed_scaling_factor
-        self.betas = situ_betas(config)
+        self.betas = situ_betas(config.to_dict())
         self.gate = Router(config.num_experts, hidden)
         self.routed_expert_down_proj = ReplicatedLinear(
             hidden, latent, bias=False, prefix=f"{prefix}.routed_expert_down_proj"
@@ -240,20 +234,12 @@ class LatentMoe(nn.Module):
                 fp8_dtype=current_platform.fp8_dtype(),
                 **self.betas,
             )
-        routed = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-        for expert_id in ids.unique().tolist():
-            expert = self.experts[expert_id]
-            rows, slot = (ids == expert_id).nonzero(as_tuple=True)
-            h = z[rows]
-            activated = ref.situ_glu(
-                h @ expert.w1.weight.T, h @ expert.w3.weight.T, **self.betas
-            )
-            routed.index_add_(
-                0,
-                rows,
-                weights[rows, slot, None] * (activated @ expert.w2.weight.T).float(),
-            )
-        return routed
+
+        def expert(e: int):
+            module = self.experts[e]
+            return module.w1.weight, module.w3.weight, module.w2.weight
+
+        return ref.routed_experts(z, ids, weights, expert, **self.betas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = ref.route(

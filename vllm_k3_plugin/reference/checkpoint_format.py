@@ -12,6 +12,64 @@ from typing import Any
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 MXFP4_SUFFIXES = (".weight_packed", ".weight_scale")
+# SiTU-GLU's arguments and the text config keys that hold them.
+SITU_BETAS = {
+    "beta": "activation_situ_beta",
+    "linear_beta": "activation_situ_linear_beta",
+}
+
+
+def situ_betas(text: dict[str, Any]) -> dict[str, float]:
+    """SiTU-GLU's betas from the text config, as ``situ_glu`` takes them."""
+    return {arg: text[key] for arg, key in SITU_BETAS.items()}
+
+
+def attn_res_site(site) -> tuple[str, str]:
+    """The norm and projection (module names under ``model.``) that mix the block
+    vectors at ``site``: ``(layer, "attn")``, ``(layer, "mlp")`` or ``"final"``."""
+    if site == "final":
+        return "output_attn_res_norm", "output_attn_res_proj"
+    layer, kind = site
+    stem = f"layers.{layer}." + ("self_attention_res" if kind == "attn" else "mlp_res")
+    return f"{stem}_norm", f"{stem}_proj"
+
+
+def attn_res_sites(num_layers: int) -> list:
+    """Every site of a stack of ``num_layers`` layers."""
+    sites: list = [
+        (layer, kind) for layer in range(num_layers) for kind in ("attn", "mlp")
+    ]
+    return [*sites, "final"]
+
+
+class Mxfp4Halves:
+    """A checkpoint's MXFP4 tensors (``STEM.weight_packed``, ``STEM.weight_scale``)
+    collected by stem until both halves of one have arrived, in any order."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, dict[str, Any]] = {}
+
+    def add(self, name: str, tensor) -> tuple[str, Any, Any] | None:
+        """``(stem, packed, scale)`` once ``name`` completes its pair, else ``None``."""
+        stem, _, kind = name.rpartition(".")
+        halves = self._pending.setdefault(stem, {})
+        halves[kind] = tensor
+        if len(halves) < 2:
+            return None
+        del self._pending[stem]
+        return stem, halves["weight_packed"], halves["weight_scale"]
+
+    def unpaired(self) -> str | None:
+        """A message naming a half whose other half never came, or ``None``."""
+        if not self._pending:
+            return None
+        stem, halves = next(iter(self._pending.items()))
+        (have,) = halves
+        other = "weight_scale" if have == "weight_packed" else "weight_packed"
+        return (
+            f"{stem}.{have} has no matching {other} ({len(self._pending)} MXFP4 "
+            "tensor(s) without their other half)"
+        )
 
 
 class WeightShapeError(ValueError):

@@ -37,6 +37,28 @@ def situ_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, **betas
     return situ_glu(gate, up, **betas) @ down.T
 
 
+def routed_experts(
+    z: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert,
+    **betas,
+) -> torch.Tensor:
+    """``Σ_k weights[t, k] · expert_{ids[t, k]}(z_t)`` in fp32, for the latent ``z``
+    ``[T, L]``. ``expert(e)`` gives expert ``e``'s ``(w1, w3, w2)`` weights (``[I,
+    L]``, ``[I, L]``, ``[L, I]``), multiplied as they come, with ``z``'s dtype."""
+    routed = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+    for expert_id in ids.unique().tolist():
+        w1, w3, w2 = expert(expert_id)
+        rows, slot = (ids == expert_id).nonzero(as_tuple=True)
+        h = z[rows]
+        activated = situ_glu(h @ w1.T, h @ w3.T, **betas)
+        routed.index_add_(
+            0, rows, weights[rows, slot, None] * (activated @ w2.T).float()
+        )
+    return routed
+
+
 # -- router ---------------------------------------------------------------------------
 
 

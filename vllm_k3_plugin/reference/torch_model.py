@@ -21,8 +21,12 @@ from torch import nn
 
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import (
+    MXFP4_SUFFIXES,
+    Mxfp4Halves,
     WeightShapeError,
+    attn_res_site,
     gate_lower_bound,
+    situ_betas,
 )
 
 
@@ -220,19 +224,16 @@ class LatentMoe(nn.Module):
             scaling_factor=self.scaling,
         )
         z = self.routed_expert_down_proj(x).float()
-        routed = torch.zeros_like(z)
-        for expert_id in ids.unique().tolist():
-            expert = self.experts[expert_id]
-            rows, slot = (ids == expert_id).nonzero(as_tuple=True)
-            h = z[rows]
-            out = ref.situ_glu(
-                h @ expert.w1.weight.float().T,
-                h @ expert.w3.weight.float().T,
-                **self.betas,
+
+        def expert(e: int):
+            module = self.experts[e]
+            return (
+                module.w1.weight.float(),
+                module.w3.weight.float(),
+                module.w2.weight.float(),
             )
-            routed[rows] += weights[rows, slot, None] * (
-                out @ expert.w2.weight.float().T
-            )
+
+        routed = ref.routed_experts(z, ids, weights, expert, **self.betas)
         routed = self.routed_expert_up_proj(
             ref.rms_norm(
                 routed, self.routed_expert_norm.weight, self.routed_expert_norm.eps
@@ -245,10 +246,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: dict[str, Any], layer: int) -> None:
         super().__init__()
         hidden, eps = config["hidden_size"], config["rms_norm_eps"]
-        betas = {
-            "beta": config["activation_situ_beta"],
-            "linear_beta": config["activation_situ_linear_beta"],
-        }
+        betas = situ_betas(config)
         kda = layer + 1 in config["linear_attn_config"]["kda_layers"]
         self.self_attn = KdaAttention(config, layer) if kda else GatedMla(config, layer)
         if layer < config["first_k_dense_replace"]:
@@ -290,20 +288,7 @@ class K3TextModel(nn.Module):
         self.lm_head = _linear(hidden, config["vocab_size"])
 
     def _mix(self, site, sources):
-        layers = self.model.layers
-        if site == "final":
-            norm, proj = (
-                self.model.output_attn_res_norm,
-                self.model.output_attn_res_proj,
-            )
-        else:
-            layer, kind = site
-            owner = layers[layer]
-            norm, proj = (
-                (owner.self_attention_res_norm, owner.self_attention_res_proj)
-                if kind == "attn"
-                else (owner.mlp_res_norm, owner.mlp_res_proj)
-            )
+        norm, proj = (self.model.get_submodule(name) for name in attn_res_site(site))
         return ref.attn_res_mix(sources, norm.weight, proj.weight, norm.eps)
 
     @torch.no_grad()
@@ -333,16 +318,15 @@ class K3TextModel(nn.Module):
         decoded; a shape mismatch is an error naming the tensor."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        pending: dict[str, dict[str, torch.Tensor]] = {}
+        halves = Mxfp4Halves()
         for name, tensor in weights:
             name = name.removeprefix("language_model.")
-            if name.endswith((".weight_packed", ".weight_scale")):
-                stem, _, kind = name.rpartition(".")
-                pending.setdefault(stem, {})[kind] = tensor
-                if len(pending[stem]) < 2:
+            if name.endswith(MXFP4_SUFFIXES):
+                pair = halves.add(name, tensor)
+                if pair is None:
                     continue
-                pair = pending.pop(stem)
-                tensor = ref.mxfp4_decode(pair["weight_packed"], pair["weight_scale"])
+                stem, packed, scale = pair
+                tensor = ref.mxfp4_decode(packed, scale)
                 name = stem + ".weight"
             target = params.get(name)
             if target is None:
