@@ -34,14 +34,6 @@ def attn_res_site(site) -> tuple[str, str]:
     return f"{stem}_norm", f"{stem}_proj"
 
 
-def attn_res_sites(num_layers: int) -> list:
-    """Every site of a stack of ``num_layers`` layers."""
-    sites: list = [
-        (layer, kind) for layer in range(num_layers) for kind in ("attn", "mlp")
-    ]
-    return [*sites, "final"]
-
-
 class Mxfp4Halves:
     """A checkpoint's MXFP4 tensors (``STEM.weight_packed``, ``STEM.weight_scale``)
     collected by stem until both halves of one have arrived, in any order."""
