@@ -59,6 +59,33 @@ class Channel(enum.Enum):
     DONE = "done"
 
 
+class _State(enum.Enum):
+    """Where the reader stands: the channel, and what in it is still undecided."""
+
+    THINK = "a think channel or block"
+    THINK_AFTER_CLOSER = (
+        "the output's think channel after an answer closer: the reply, unless words "
+        "follow"
+    )
+    REPLY_START = (
+        "the reply, nothing read yet: a think opener here opens the output's own "
+        "think channel"
+    )
+    REPLY = "the reply"
+    TOOLS = "the tools channel"
+    DONE = "finished"
+
+
+_CHANNEL_OF = {
+    _State.THINK: Channel.THINK,
+    _State.THINK_AFTER_CLOSER: Channel.THINK,
+    _State.REPLY_START: Channel.RESPONSE,
+    _State.REPLY: Channel.RESPONSE,
+    _State.TOOLS: Channel.TOOLS,
+    _State.DONE: Channel.DONE,
+}
+
+
 class ReplayPolicy(enum.Enum):
     """What happens to a think channel that turns out to be the reply (rule 5)."""
 
@@ -98,6 +125,11 @@ _THINK_STATE_MARKERS = (
     _THINK_EXITS | _TAG_ATOMS | {TOOLS_START, RESPONSE_END, CALL_START}
 )
 _RESPONSE_STATE_MARKERS = _CALL_STARTS | _TAG_ATOMS | {TOOLS_START, THINK_START}
+# The states where only these markers matter (in the others each part is read).
+_STATE_MARKERS = {
+    _State.THINK: _THINK_STATE_MARKERS,
+    _State.REPLY: _RESPONSE_STATE_MARKERS,
+}
 # Complete tags read as the channel markers they spell: (is an opener, name).
 _TAG_MARKERS = {
     (True, vocab.THINK): THINK_START,
@@ -116,11 +148,8 @@ class ReasoningReader:
     __slots__ = (
         "_after_closer",
         "_after_tools",
-        "_at_offset_zero",
         "_atoms",
         "_block_origin",
-        "_channel",
-        "_closer_pending",
         "_events",
         "_kept",
         "_kept_quoted",
@@ -129,6 +158,7 @@ class ReasoningReader:
         "_run",
         "_run_kind",
         "_scanner",
+        "_state",
         "_tag",
         "_tools_held",
         "think_blocks",
@@ -144,24 +174,23 @@ class ReasoningReader:
             raise ValueError(f"an output starts in think or response, not {start}")
         self._atoms = atoms if atoms is not None else m.TextAtoms()
         self._scanner = MarkerScanner(MARKERS)
-        self._channel = start
+        self._state = _State.THINK if start is Channel.THINK else _State.REPLY_START
         self._policy = policy
         self._replayed = False
-        self._at_offset_zero = True
         self._kept: _KeptText | None = _KeptText() if start is Channel.THINK else None
         # A think block (not the output's own think channel) returns here at its
         # exit; ``None`` in the output's think channel and outside think.
-        self._block_origin: Channel | None = None
-        # Where the output goes on when the tools channel closes.
-        self._after_tools = Channel.RESPONSE
+        self._block_origin: _State | None = None
+        # Where the output goes on when the tools channel closes: the reply, or
+        # the think channel it interrupted.
+        self._after_tools = _State.REPLY
         # A tools opener and the whitespace after it, undecided until the next
         # marker (a call opener: a tools channel) or word (quoted).
         self._tools_held: list[str] | None = None
         # A tag after an opener or closer atom, outside the tools channel.
         self._tag: TagText | None = None
-        # After an answer closer in the think channel: the closer, whitespace and
-        # framing that followed it, undecided until words, an exit or the end come.
-        self._closer_pending = False
+        # In THINK_AFTER_CLOSER: the closer, whitespace and framing that followed
+        # it, undecided until words, an exit or the end come.
         self._after_closer: list[str] = []
         # Spans of ``_kept`` holding quoted closers: reasoning text, never content.
         self._kept_quoted: list[tuple[int, int]] = []
@@ -176,7 +205,7 @@ class ReasoningReader:
 
     @property
     def channel(self) -> Channel:
-        return self._channel
+        return _CHANNEL_OF[self._state]
 
     @property
     def replayed(self) -> bool:
@@ -186,12 +215,12 @@ class ReasoningReader:
     @property
     def in_reasoning(self) -> bool:
         """Whether a think channel is open (the engine's question)."""
-        return self._channel is Channel.THINK
+        return self.channel is Channel.THINK
 
     def feed(self, text: str, ids: Sequence[int] | None = None) -> list[ReaderEvent]:
         """Read the next chunk of the output (its text, and the ids it came from
         when reading ids); return the events it decides."""
-        if self._channel is Channel.DONE:
+        if self._state is _State.DONE:
             raise RuntimeError("feed() after finish()")
         self._events = events = []
         self._scan(self._atoms.mark(text, ids))
@@ -202,7 +231,7 @@ class ReasoningReader:
     def finish(self, *, stopped: bool) -> list[ReaderEvent]:
         """End of the output. ``stopped``: the model stopped itself (EOS, a stop
         token or a stop string), as opposed to a ``max_tokens`` cut or an abort."""
-        if self._channel is Channel.DONE:
+        if self._state is _State.DONE:
             return []
         self._events = events = []
         # The start of an atom string that never completed is text.
@@ -213,11 +242,11 @@ class ReasoningReader:
         self._tag = None  # a tag cut off: a cut marker too
         if self._tools_held is not None:
             self._quote_tools_opener()
-        if self._channel is Channel.THINK and self._block_origin is None:
-            self._end_think(replay=self._closer_pending and stopped)
+        if self.channel is Channel.THINK and self._block_origin is None:
+            self._end_think(replay=self._state is _State.THINK_AFTER_CLOSER and stopped)
         self._flush()
         self._events = []
-        self._channel = Channel.DONE
+        self._state = _State.DONE
         return events
 
     def _push(self, kind: type[ReaderEvent], text: str) -> None:
@@ -278,11 +307,7 @@ class ReasoningReader:
         """The markers that matter now, if all others are dropped; else ``None``."""
         if self._tools_held is not None or self._tag is not None:
             return None
-        if self._channel is Channel.THINK and not self._closer_pending:
-            return _THINK_STATE_MARKERS
-        if self._channel is Channel.RESPONSE and not self._at_offset_zero:
-            return _RESPONSE_STATE_MARKERS
-        return None
+        return _STATE_MARKERS.get(self._state)
 
     def _on_text(self, text: str) -> None:
         if self._tag is not None:
@@ -298,11 +323,11 @@ class ReasoningReader:
             self._quote_tools_opener()
             if text.isspace():
                 return
-        channel = self._channel
+        channel = self.channel
         if channel is Channel.THINK:
             self._think_text(text)
         elif channel is Channel.RESPONSE:
-            self._at_offset_zero = False
+            self._state = _State.REPLY
             self._push(Content, text)
         else:
             self._push(ToolMarkup, text)
@@ -318,7 +343,7 @@ class ReasoningReader:
                 self._enter_tools("".join(held) + marker)
                 return
             self._quote_tools_opener()
-        channel = self._channel
+        channel = self.channel
         if channel is Channel.THINK:
             self._think_marker(marker)
         elif channel is Channel.RESPONSE:
@@ -341,7 +366,7 @@ class ReasoningReader:
         dropped)."""
         tag, self._tag = self._tag, None
         if not tag.ends_whole(at_separator=at_separator):
-            self._at_offset_zero = False
+            self._leave_reply_start()
             if tag.text:
                 self._on_text(tag.text)
             return
@@ -352,16 +377,16 @@ class ReasoningReader:
             # A channel marker, spelled with whitespace or attributes: read as the
             # marker itself (a think opener at the start of the output included).
             self._on_marker(marker)
-        elif tag.opener and name == vocab.CALL and self._channel is Channel.RESPONSE:
+        elif tag.opener and name == vocab.CALL and self.channel is Channel.RESPONSE:
             self._enter_tools(m.OPEN + text + m.SEP)
         else:
             # Any other element opens nothing outside a tools channel: dropped whole.
-            self._at_offset_zero = False
+            self._leave_reply_start()
 
     # -- tools openers (rule 3) ---------------------------------------------------
 
     def _hold_tools_opener(self, marker: str) -> None:
-        self._at_offset_zero = False
+        self._leave_reply_start()
         self._tools_held = [marker]
 
     def _quote_tools_opener(self) -> None:
@@ -373,51 +398,54 @@ class ReasoningReader:
             self._on_text(space)
 
     def _enter_tools(self, markup: str) -> None:
-        channel = self._channel
+        channel = self.channel
         if channel is Channel.THINK:
             if self._block_origin is None:
-                replay = self._closer_pending
+                replay = self._state is _State.THINK_AFTER_CLOSER
                 self._end_think(replay=replay)
                 # Interrupted without an exit, the think channel goes on after.
-                self._after_tools = Channel.RESPONSE if replay else Channel.THINK
-            elif self._block_origin is Channel.RESPONSE:
-                self._after_tools = Channel.THINK
+                self._after_tools = _State.REPLY if replay else _State.THINK
+            elif self._block_origin is _State.REPLY:
+                self._after_tools = _State.THINK
             self._block_origin = None
         elif channel is Channel.RESPONSE:
-            self._after_tools = Channel.RESPONSE
-        self._channel = Channel.TOOLS
-        self._at_offset_zero = False
+            self._after_tools = _State.REPLY
+        self._state = _State.TOOLS
         self._push(ToolMarkup, markup)
 
     def _tools_marker(self, marker: str) -> None:
         if marker == THINK_START:
             # A think block between calls: reasoning; it ends any call open.
             self._push(ToolMarkup, marker)
-            self._open_block(Channel.TOOLS)
+            self._open_block(_State.TOOLS)
             return
         self._push(ToolMarkup, marker)
         if marker == TOOLS_END:
-            if self._after_tools is Channel.THINK:
-                self._open_block(Channel.RESPONSE)
+            if self._after_tools is _State.THINK:
+                self._open_block(_State.REPLY)
             else:
-                self._channel = Channel.RESPONSE
-            self._at_offset_zero = False
+                self._state = _State.REPLY
 
-    def _open_block(self, origin: Channel) -> None:
+    def _open_block(self, origin: _State) -> None:
         self.think_blocks += 1
-        self._channel = Channel.THINK
+        self._state = _State.THINK
         self._block_origin = origin
+
+    def _leave_reply_start(self) -> None:
+        """Something was read: a think opener no longer opens the output's own think
+        channel."""
+        if self._state is _State.REPLY_START:
+            self._state = _State.REPLY
 
     # -- think channel ------------------------------------------------------------
 
     def _think_text(self, text: str) -> None:
-        self._at_offset_zero = False
-        if self._closer_pending:
+        if self._state is _State.THINK_AFTER_CLOSER:
             if text.isspace():
                 self._after_closer.append(text)
                 return
             # Words after the closer: it was quoted, and goes on as reasoning.
-            self._closer_pending = False
+            self._state = _State.THINK
             quoted, self._after_closer = self._after_closer, []
             for piece in quoted:
                 if piece.isspace():
@@ -431,16 +459,14 @@ class ReasoningReader:
         if marker in _THINK_EXITS:
             if origin is None:
                 self._end_think(replay=False)
-                self._channel = Channel.RESPONSE
+                self._state = _State.REPLY
             else:
                 self._block_origin = None
-                self._channel = Channel.RESPONSE if marker == RESPONSE_START else origin
-            self._at_offset_zero = False
+                self._state = _State.REPLY if marker == RESPONSE_START else origin
         elif marker == TOOLS_START:
             self._hold_tools_opener(marker)
         elif marker == RESPONSE_END and origin is None:
-            self._at_offset_zero = False
-            self._closer_pending = True
+            self._state = _State.THINK_AFTER_CLOSER
             self._after_closer.append(marker)
         elif marker in _TAG_ATOMS or marker == CALL_START:
             self._start_tag(marker)
@@ -458,12 +484,12 @@ class ReasoningReader:
         self._push(Reasoning, text)
 
     def _end_think(self, *, replay: bool) -> None:
-        """Decide the think channel: it was the reply (``replay``) or a thought."""
+        """Decide the think channel: it was the reply (``replay``) or a thought. The
+        caller moves the reader on."""
         pending_space = "".join(
             piece for piece in self._after_closer if piece.isspace()
         )
         self._after_closer = []
-        self._closer_pending = False
         self._emit_reasoning(pending_space)
         kept = self._kept.getvalue() if self._kept is not None else ""
         quoted, self._kept, self._kept_quoted = self._kept_quoted, None, []
@@ -485,12 +511,12 @@ class ReasoningReader:
             # A call opener without its tools channel opens one.
             self._enter_tools(marker)
         elif marker == THINK_START:
-            if self._at_offset_zero:
+            if self._state is _State.REPLY_START:
                 # A thinking-off output that opens its own think channel.
-                self._channel = Channel.THINK
+                self._state = _State.THINK
                 self._kept = _KeptText()
             else:
-                self._open_block(Channel.RESPONSE)
+                self._open_block(_State.REPLY)
         elif marker in _TAG_ATOMS:
             self._start_tag(marker)
         # The think exit at offset 0 means "declined to think"; it and all other
