@@ -27,8 +27,12 @@ from vllm_k3_plugin.format.reasoning import (
     collect,
 )
 
+# K3_HYPOTHESIS_EXAMPLES=N runs every property test with N examples (300 in CI).
 settings.register_profile(
-    "ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci",
+    max_examples=int(os.environ.get("K3_HYPOTHESIS_EXAMPLES", "300")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("ci")
 

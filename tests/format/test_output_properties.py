@@ -145,7 +145,12 @@ def loose_segment(draw):
         return Segment([control(atom), text(tail)])
     if choice == 5:
         opener, closer = draw(st.sampled_from(STRAY_ELEMENTS))
-        pieces = [control(opener), text(draw(prose))]
+        body = draw(prose)
+        if opener.startswith(f"{OPEN}json"):
+            # Written as the calls' json blocks are: after a call the output left
+            # open, it is that call's arguments.
+            body = json.dumps({JSON_BLOCK_KEY: body}, ensure_ascii=False)
+        pieces = [control(opener), text(body)]
         if closer:
             pieces.append(control(closer))
         return Segment(pieces)
