@@ -76,6 +76,11 @@ class _State(enum.Enum):
     DONE = "finished"
 
 
+# The states the per-token path compares against, as plain names: reading an Enum
+# class's attribute costs a lookup through its metaclass on every access.
+_THINK, _THINK_AFTER_CLOSER = _State.THINK, _State.THINK_AFTER_CLOSER
+_REPLY_START, _REPLY = _State.REPLY_START, _State.REPLY
+
 _CHANNEL_OF = {
     _State.THINK: Channel.THINK,
     _State.THINK_AFTER_CLOSER: Channel.THINK,
@@ -323,11 +328,11 @@ class ReasoningReader:
             self._quote_tools_opener()
             if text.isspace():
                 return
-        channel = self.channel
-        if channel is Channel.THINK:
+        state = self._state
+        if state is _THINK or state is _THINK_AFTER_CLOSER:
             self._think_text(text)
-        elif channel is Channel.RESPONSE:
-            self._state = _State.REPLY
+        elif state is _REPLY or state is _REPLY_START:
+            self._state = _REPLY
             self._push(Content, text)
         else:
             self._push(ToolMarkup, text)
@@ -440,7 +445,7 @@ class ReasoningReader:
     # -- think channel ------------------------------------------------------------
 
     def _think_text(self, text: str) -> None:
-        if self._state is _State.THINK_AFTER_CLOSER:
+        if self._state is _THINK_AFTER_CLOSER:
             if text.isspace():
                 self._after_closer.append(text)
                 return
