@@ -619,13 +619,14 @@ def bench_moe(device, smoke, warmup, repeats):
     import torch
 
     from k3_triton_kernels.moe import latent_moe as moe
+    from k3_triton_kernels.moe.naive import mxfp4_experts_from
 
     for tokens, experts, top_k, latent, inner in moe_cases(smoke):
         torch.manual_seed(0)
         w13, w2 = expert_weights(experts, latent, inner, device)
         z, ids, weights = routed_tokens(tokens, experts, top_k, latent, device)
         cuda = device.type == "cuda"
-        packed = moe.mxfp4_experts_from(w13, w2)
+        packed = mxfp4_experts_from(w13, w2)
 
         def run_ours(packed=packed, z=z, ids=ids, weights=weights):
             return moe.latent_moe(z, ids, weights, packed)

@@ -98,12 +98,13 @@ def main(argv=None) -> None:
 
 def run_sweeps(device, shape, token_counts, large_batch) -> None:
     from k3_triton_kernels.moe import latent_moe as moe
+    from k3_triton_kernels.moe.naive import FP8, mxfp4_experts_from
 
     microseconds = functools.partial(graph_microseconds, cuda=device.type == "cuda")
     num_experts, top_k, latent, inner = shape
     torch.manual_seed(0)
     w13, w2 = expert_weights(num_experts, latent, inner, device)
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = mxfp4_experts_from(w13, w2)
     del w13, w2
     started = time.time()
     for tokens in token_counts:
@@ -115,7 +116,7 @@ def run_sweeps(device, shape, token_counts, large_batch) -> None:
         try:  # the launch before the GEMMs: grouping, FP8 latent, zeroed output
             preparation = microseconds(
                 lambda ids=ids, bm=block_m, z=z: moe.prepare_rows(
-                    ids, num_experts, bm, z, moe.FP8
+                    ids, num_experts, bm, z, FP8
                 )
             )
             preparation = f"{preparation:.1f}us"

@@ -253,13 +253,13 @@ class VllmLatentMoe:
     steps are C++ ops in vLLM and PyTorch here, and would not be fair to count."""
 
     def __init__(self, z, ids, weights, w13, w2, *, beta=4.0, linear_beta=25.0):
-        from k3_triton_kernels.moe.latent_moe import (
+        from k3_triton_kernels.moe.naive import (
             FP8,
             quantize_per_row,
             routed_experts_reference,
+            situ_glu,
             sort_by_expert,
         )
-        from k3_triton_kernels.moe.naive import situ_glu
 
         _, get_default_config, _ = fused_moe_parts()
         tokens, latent = z.shape

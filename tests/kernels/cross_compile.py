@@ -215,6 +215,7 @@ def _cases(fp8: torch.dtype):
     from k3_triton_kernels.kda import decode as kda_decode
     from k3_triton_kernels.mla import decode as mla_decode
     from k3_triton_kernels.moe import latent_moe
+    from k3_triton_kernels.moe.naive import mxfp4_experts_from
     from vllm_k3_plugin.reference import reference as ref
     from vllm_k3_plugin.reference.kda_chunk import chunk_terms
 
@@ -242,7 +243,7 @@ def _cases(fp8: torch.dtype):
             z = torch.randn(tokens, latent)
             w13 = torch.randn(8, 2 * inner, latent)
             w2 = torch.randn(8, latent, inner)
-            experts = latent_moe.mxfp4_experts_from(w13, w2)
+            experts = mxfp4_experts_from(w13, w2)
             weights, ids = ref.route(torch.randn(tokens, 8), torch.zeros(8), 2)
             latent_moe.latent_moe(z, ids, weights, experts, fp8_dtype=fp8)
 

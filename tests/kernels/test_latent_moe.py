@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from k3_triton_kernels.moe import latent_moe as moe
+from k3_triton_kernels.moe import naive
 from tests.kernels.placement import (
     DEVICE,
     FNUZ_RUNS_HERE,
@@ -52,9 +53,9 @@ def _agrees(got, expected):
 )
 def test_kernel_matches_reference(tokens, experts, top_k):
     z, ids, weights, w13, w2 = _case(tokens, experts, top_k)
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = naive.mxfp4_experts_from(w13, w2)
     got = moe.latent_moe(z, ids, weights, packed)
-    expected = moe.latent_moe_reference(z, ids, weights, packed)
+    expected = naive.latent_moe_reference(z, ids, weights, packed)
     assert _agrees(got, expected)
     if experts == 896:
         # Most experts receive no token.
@@ -67,9 +68,9 @@ def test_from_256_tokens_k_tiles_of_64_match_the_reference():
     tokens, latent, inner = 260, 256, 128
     assert moe.default_tiles(tokens)[2] == 64
     z, ids, weights, w13, w2 = _case(tokens, 8, 2, latent=latent, inner=inner)
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = naive.mxfp4_experts_from(w13, w2)
     got = moe.latent_moe(z, ids, weights, packed)
-    expected = moe.latent_moe_reference(z, ids, weights, packed)
+    expected = naive.latent_moe_reference(z, ids, weights, packed)
     assert _agrees(got, expected)
 
 
@@ -87,7 +88,7 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
     kernel's own requantized intermediate. Both orientations of the dots (16-row
     blocks take weights @ x on NVIDIA, x @ weights on AMD)."""
     z, ids, weights, w13, w2 = _case(tokens, experts, top_k)
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = naive.mxfp4_experts_from(w13, w2)
     quantized, quantize = [], moe.quantize_rows
 
     def recording(x, dtype, **padding):
@@ -111,7 +112,7 @@ def test_each_stage_matches_the_reference_on_the_same_fp8_values(
     pairs = rows[rows >= 0]
     expert_of_row = block_expert.repeat_interleave(16)[rows >= 0]
     token = pairs // top_k
-    w13_deq, w2_deq = moe.dequantize(packed, "w13"), moe.dequantize(packed, "w2")
+    w13_deq, w2_deq = naive.dequantize(packed, "w13"), naive.dequantize(packed, "w2")
     inner = w13.shape[1] // 2
     z_deq = z_q.float() * z_scale[:, None]
     gate_up = torch.einsum("pl,pnl->pn", z_deq[token], w13_deq[expert_of_row])
@@ -132,7 +133,7 @@ def test_mxfp4_tiles_past_k_read_no_padding_bytes_or_scales():
     weights here are views into wider buffers whose padding holds 0x77 bytes
     (two 6.0s) and scale byte 255 (NaN): read, they would make the output NaN."""
     z, ids, weights, w13, w2 = _case(5, 8, 2, latent=96, inner=32)
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = naive.mxfp4_experts_from(w13, w2)
 
     def in_padding(t: torch.Tensor, fill: int) -> torch.Tensor:
         wider = torch.full(
@@ -141,7 +142,7 @@ def test_mxfp4_tiles_past_k_read_no_padding_bytes_or_scales():
         wider[..., : t.shape[-1]] = t
         return wider[..., : t.shape[-1]]
 
-    padded = moe.ExpertWeights(
+    padded = naive.ExpertWeights(
         in_padding(packed.w13, 0x77),
         in_padding(packed.w13_scale, 255),
         in_padding(packed.w2, 0x77),
@@ -149,18 +150,18 @@ def test_mxfp4_tiles_past_k_read_no_padding_bytes_or_scales():
     )
     got = moe.latent_moe(z, ids, weights, padded, block_k=128)
     assert torch.isfinite(got).all()
-    assert _agrees(got, moe.latent_moe_reference(z, ids, weights, packed))
+    assert _agrees(got, naive.latent_moe_reference(z, ids, weights, packed))
 
 
 def test_the_down_gemms_launch_order_leaves_the_output_as_it_is():
     """Row blocks first or column blocks first (the default), the same sums: only
     the order of the fp32 atomic adds into a token's row differs."""
     z, ids, weights, w13, w2 = _case(33, 16, 4)
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = naive.mxfp4_experts_from(w13, w2)
     by_columns = moe.latent_moe(z, ids, weights, packed)
     by_rows = moe.latent_moe(z, ids, weights, packed, down_rows_first=True)
     assert_close(by_rows, by_columns, of_peak=1e-6, peak_floor=1e-6, what="by rows")
-    assert _agrees(by_columns, moe.latent_moe_reference(z, ids, weights, packed))
+    assert _agrees(by_columns, naive.latent_moe_reference(z, ids, weights, packed))
 
 
 def test_row_blocks_past_the_grids_second_axis_go_first():
@@ -236,7 +237,7 @@ def test_row_quantization_keeps_nan_and_inf_as_the_reference_does(dtype):
         [[float("nan"), 1.0, -1.0, 0.0], [float("inf"), 1.0, -2.0, 0.0], [1, 2, 3, 4]]
     )
     values, scale = moe.quantize_rows(x.to(DEVICE), dtype)
-    want_values, want_scale = moe.quantize_per_row(x, dtype)
+    want_values, want_scale = naive.quantize_per_row(x, dtype)
     assert torch.equal(scale.cpu().isnan(), want_scale.isnan())
     assert torch.equal(scale.cpu().isinf(), want_scale.isinf())
     got, want = values.cpu().float(), want_values.float()
@@ -255,9 +256,9 @@ def test_pairs_routed_to_other_ranks_experts_are_left_out():
     rows, _, _ = moe.group_by_expert(ids, 8, 16)
     placed = rows[rows >= 0].long().cpu()
     assert sorted(placed.tolist()) == sorted(set(range(10)) - {0, 3, 4})
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = naive.mxfp4_experts_from(w13, w2)
     got = moe.latent_moe(z, ids, weights, packed)
-    expected = moe.latent_moe_reference(z, ids, weights, packed)
+    expected = naive.latent_moe_reference(z, ids, weights, packed)
     assert _agrees(got, expected)
 
 
@@ -280,7 +281,7 @@ def test_grouping_kernel_forms_the_reference_groups(tokens, experts, top_k, bloc
     ids = torch.zeros(tokens, top_k, dtype=torch.int64)
     for token in range(tokens):
         ids[token] = torch.randperm(experts)[:top_k]
-    want_rows, want_experts, want_used = moe.sort_by_expert(ids, experts, block_m)
+    want_rows, want_experts, want_used = naive.sort_by_expert(ids, experts, block_m)
     rows, block_expert, used = (
         t.cpu() for t in moe.group_by_expert(ids.to(DEVICE), experts, block_m)
     )
@@ -311,7 +312,7 @@ def test_row_quantization_kernel_is_bit_exact(dtype, cols):
     x[0, : grid.numel()] = grid[:cols]  # every half-step tie from -max up
     x[1, :4] = torch.tensor([fp8_max, 124.3, -124.3, 0.0])
     x[2] = 0.0  # an all-zero row: the 1e-12 floor
-    want_values, want_scale = moe.quantize_per_row(x, dtype)
+    want_values, want_scale = naive.quantize_per_row(x, dtype)
     ids = torch.zeros(6, 1, dtype=torch.int64, device=DEVICE)
     prepared = moe.prepare_rows(ids, 2, 16, x.to(DEVICE), dtype)
     for values, scale in (
@@ -334,7 +335,7 @@ def test_buffers_left_unset_are_never_read(tokens, block_m, monkeypatch):
     on a GPU too: top-2 gives each output value two atomic adds onto zero, whose
     order cannot change the sum (from three it could)."""
     z, ids, weights, w13, w2 = _case(tokens, 8, 2)
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = naive.mxfp4_experts_from(w13, w2)
     options = {"block_m": block_m}
     clean = moe.latent_moe(z, ids, weights, packed, **options)
     empty = torch.empty
@@ -358,12 +359,12 @@ def test_fnuz_activations_for_gfx94x():
     kernel still matches the reference to 1e-4, and both stay within e4m3
     rounding of the OCP-e4m3fn result."""
     z, ids, weights, w13, w2 = _case(7, 8, 2)
-    packed = moe.mxfp4_experts_from(w13, w2)
-    assert moe.activation_dtype(FNUZ) == FNUZ
+    packed = naive.mxfp4_experts_from(w13, w2)
+    assert naive.activation_dtype(FNUZ) == FNUZ
     got = moe.latent_moe(z, ids, weights, packed, fp8_dtype=FNUZ)
-    expected = moe.latent_moe_reference(z, ids, weights, packed, fp8_dtype=FNUZ)
+    expected = naive.latent_moe_reference(z, ids, weights, packed, fp8_dtype=FNUZ)
     assert _agrees(got, expected)
-    want = moe.latent_moe_reference(z, ids, weights, packed)
+    want = naive.latent_moe_reference(z, ids, weights, packed)
     assert_close(got, want, of_peak=0.1, peak_floor=1e-6, what="moe out")
     assert not torch.equal(got, moe.latent_moe(z, ids, weights, packed))
 
@@ -372,22 +373,22 @@ def test_the_activations_take_an_fp8_dtype_only():
     z, ids, weights, w13, w2 = _case(2, 4, 1)
     with pytest.raises(ValueError, match="not an FP8 dtype"):
         moe.latent_moe(
-            z, ids, weights, moe.mxfp4_experts_from(w13, w2), fp8_dtype=torch.bfloat16
+            z, ids, weights, naive.mxfp4_experts_from(w13, w2), fp8_dtype=torch.bfloat16
         )
 
 
 def test_mxfp4_weights_decode_like_the_checkpoint_reader():
     _, _, _, w13, w2 = _case(1, 4, 1)
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = naive.mxfp4_experts_from(w13, w2)
     assert packed.w13.dtype == torch.uint8 and packed.w13.shape == (4, 64, 32)
     assert packed.w13_scale.shape == (4, 64, 2)
-    decoded = moe.dequantize(packed, "w13")
+    decoded = naive.dequantize(packed, "w13")
     assert (decoded - w13).abs().max() < 0.25 * w13.abs().max()
 
 
 def test_sort_by_expert_groups_and_pads():
     ids = torch.tensor([[3, 1], [1, 0], [3, 3]])
-    rows, block_expert, used_rows = moe.sort_by_expert(ids, 5, block_m=2)
+    rows, block_expert, used_rows = naive.sort_by_expert(ids, 5, block_m=2)
     # Capacity: 6 pairs + 5 groups x 1 padding row, in whole blocks: 12 rows.
     assert used_rows.tolist() == [8] and rows.numel() == 12
     assert rows.tolist() == [3, -1, 1, 2, 0, 4, 5, -1] + [-1] * 4
@@ -399,7 +400,7 @@ def test_sort_by_expert_at_k3_routing():
     """Top-16 of 896 for 37 tokens: every pair once, in its expert's padded group,
     in token order within the group; nothing after the used rows."""
     _, ids, *_ = _case(37, 896, 16)
-    rows, block_expert, used_rows = moe.sort_by_expert(ids, 896, block_m=16)
+    rows, block_expert, used_rows = naive.sort_by_expert(ids, 896, block_m=16)
     flat = ids.reshape(-1)
     used = int(used_rows)
     assert (rows[used:] == -1).all() and used % 16 == 0
@@ -417,10 +418,10 @@ def test_the_kernel_path_reads_nothing_back_from_the_device():
     """No sync per MoE layer, and what a CUDA graph needs: the routing sort and
     both kernels run without the host reading a device value."""
     z, ids, weights, w13, w2 = _case(9, 896, 16, seed=3)
-    packed = moe.mxfp4_experts_from(w13, w2)
+    packed = naive.mxfp4_experts_from(w13, w2)
     with no_host_reads():
         got = moe.latent_moe(z, ids, weights, packed)
-    assert _agrees(got, moe.latent_moe_reference(z, ids, weights, packed))
+    assert _agrees(got, naive.latent_moe_reference(z, ids, weights, packed))
 
 
 def test_the_host_read_watch_sees_the_old_sort():

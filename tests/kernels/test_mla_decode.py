@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from k3_triton_kernels.mla import decode as kernel
+from k3_triton_kernels.mla import naive
 from tests.kernels.placement import (
     DEVICE,
     FP8_DTYPES_HERE,
@@ -36,7 +37,7 @@ def _setup(
     for b, length in enumerate(lens):
         t = torch.arange(length)
         slots = table[b, t // page_size].long() * page_size + t % page_size
-        kernel.write_latent(cache, slots, torch.randn(length, dv + dpe), kv_scale)
+        naive.write_latent(cache, slots, torch.randn(length, dv + dpe), kv_scale)
     q = torch.randn(batch, rows, heads, dv + dpe)
     return on_device(q, cache, table, torch.tensor(lens, dtype=torch.int32))
 
@@ -48,7 +49,7 @@ def _compare(q, cache, table, lens, *, dv=512, kv_scale=1.0, **launch):
     out, lse = kernel.mla_decode(
         q, cache, table, lens, value_dim=dv, kv_scale=kv_scale, **launch
     )
-    ref_out, ref_lse = kernel.mla_decode_reference(
+    ref_out, ref_lse = naive.mla_decode_reference(
         q, cache, table, lens, value_dim=dv, softmax_scale=SCALE, kv_scale=kv_scale
     )
     assert_close(out, ref_out, atol=0.0001, rtol=0.0001, what="out")
@@ -150,7 +151,7 @@ def test_write_latent_applies_the_scale():
     cache = torch.zeros(2, 4, 32, dtype=FP8[0], device=DEVICE)
     latent = torch.randn(3, 32, device=DEVICE)
     slots = torch.tensor([0, 5, 7], device=DEVICE)
-    kernel.write_latent(cache, slots, latent, kv_scale=2.0)
+    naive.write_latent(cache, slots, latent, kv_scale=2.0)
     stored = cache.view(-1, 32)[[0, 5, 7]].float() * 2.0
     assert_close(stored, latent, atol=2.0 * 2 ** (-9), rtol=2 ** (-4), what="stored")
 
@@ -162,7 +163,7 @@ def test_the_narrowest_latent_a_dot_takes_runs_on_the_kernel():
     )
     assert kernel._unsupported(q, cache, 16) is None
     out, lse = kernel.mla_decode(q, cache, table, lens, value_dim=16)
-    ref_out, ref_lse = kernel.mla_decode_reference(
+    ref_out, ref_lse = naive.mla_decode_reference(
         q, cache, table, lens, value_dim=16, softmax_scale=SCALE
     )
     assert_close(out, ref_out, atol=1e-4, rtol=1e-4, what="out", same_dtype=True)
@@ -176,7 +177,7 @@ def test_unsupported_shapes_fall_back_to_pytorch_and_say_why(caplog):
     )
     with caplog.at_level("INFO", logger="vllm.k3_plugin.kernels"):
         out, lse = kernel.mla_decode(q, cache, table, lens, value_dim=48)
-    ref_out, ref_lse = kernel.mla_decode_reference(
+    ref_out, ref_lse = naive.mla_decode_reference(
         q, cache, table, lens, value_dim=48, softmax_scale=SCALE
     )
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
@@ -217,7 +218,7 @@ def test_bf16_queries_run_tensor_core_dots_within_the_weight_rounding(
     assert kernel.dot_format(q, cache) == fmt
     assert kernel._unsupported(q, cache, 512) is None
     out, lse = kernel.mla_decode(q, cache, table, seq_lens, kv_scale=0.25)
-    ref_out, ref_lse = kernel.mla_decode_reference(
+    ref_out, ref_lse = naive.mla_decode_reference(
         q, cache, table, seq_lens, value_dim=512, softmax_scale=SCALE, kv_scale=0.25
     )
     largest_value = cache[..., :512].float().abs().max() * 0.25
@@ -299,7 +300,7 @@ def test_the_weight_rounding_bound_is_reached(cache_dtype, weight, bound):
     kv_scale = -math.log(weight) / (8.0 * SCALE)  # weight e^{-8·scale·kv}
     q, cache, table, lens = (x.to(DEVICE) for x in (q.bfloat16(), cache, table, lens))
     out, _ = kernel.mla_decode(q, cache, table, lens, kv_scale=kv_scale)
-    ref_out, _ = kernel.mla_decode_reference(
+    ref_out, _ = naive.mla_decode_reference(
         q, cache, table, lens, value_dim=512, softmax_scale=SCALE, kv_scale=kv_scale
     )
     error = (out - ref_out).abs().max() / kv_scale  # the largest value is kv_scale

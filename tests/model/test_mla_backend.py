@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3_triton_kernels.mla import decode as kernel
+from k3_triton_kernels.mla import naive
 from tests.support.host_reads import no_host_reads
 from tests.support.tensors import assert_close
 from vllm_k3_plugin.model.mla_backend import (
@@ -40,7 +40,7 @@ def _fp8_cache(lens, kv_scale, seed=0):
         t = torch.arange(length)
         slots = table[b, t // PAGE].long() * PAGE + t % PAGE
         latent = torch.randn(length, WIDTH, generator=generator)
-        kernel.write_latent(fp8, slots, latent, kv_scale)
+        naive.write_latent(fp8, slots, latent, kv_scale)
     return cache, table
 
 
@@ -61,7 +61,7 @@ def test_flattened_speculative_rows_each_see_their_prefix(rows):
     cache, table = _fp8_cache(lens, kv_scale=0.5)
     q = torch.randn(len(lens) * rows, HEADS, WIDTH)
     out, lse = _decode(q, cache, table, lens)
-    want_out, want_lse = kernel.mla_decode_reference(
+    want_out, want_lse = naive.mla_decode_reference(
         q.view(len(lens), rows, HEADS, WIDTH),
         cache.view(torch.float8_e4m3fn),
         table,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from k3_triton_kernels.moe import latent_moe as moe_kernel
+from k3_triton_kernels.moe import naive as moe_reference
 from tests.support.host_reads import no_host_reads
 from tests.support.tensors import assert_close
 from vllm_k3_plugin.envs import KERNELS_ENV
@@ -483,7 +483,7 @@ def test_the_kernel_path_equals_its_reference_and_is_near_the_pytorch_path(
     kernels, plain = _moe(kernel_model, 2), _moe(model, 2)
     z, ids, weights = _routing_case(kernels)
     got = kernels.routed_experts(z, ids, weights)
-    same_numerics = moe_kernel.latent_moe_reference(
+    same_numerics = moe_reference.latent_moe_reference(
         z, ids, weights, kernels.experts.weights(), **kernels.betas
     )
     unquantized = plain.routed_experts(z, ids, weights)
@@ -522,7 +522,7 @@ def test_the_kernel_path_quantizes_activations_to_the_platforms_fp8(
     platform = SimpleNamespace(fp8_dtype=lambda: fnuz)
     monkeypatch.setattr(moe_module, "current_platform", platform)
     got = kernels.routed_experts(z, ids, weights)
-    expected = moe_kernel.latent_moe_reference(
+    expected = moe_reference.latent_moe_reference(
         z, ids, weights, kernels.experts.weights(), fp8_dtype=fnuz, **kernels.betas
     )
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()

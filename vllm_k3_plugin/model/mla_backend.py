@@ -26,7 +26,8 @@ import torch
 from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-from k3_triton_kernels.mla.decode import mla_decode, write_latent
+from k3_triton_kernels.mla.decode import mla_decode
+from k3_triton_kernels.mla.naive import write_latent
 from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
 
 PAGE_ALIGNMENT = 16

@@ -39,7 +39,8 @@ from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.platforms import current_platform
 
-from k3_triton_kernels.moe.latent_moe import ExpertWeights, latent_moe
+from k3_triton_kernels.moe.latent_moe import latent_moe
+from k3_triton_kernels.moe.naive import ExpertWeights
 from k3_triton_kernels.runtime import log_path
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import situ_betas

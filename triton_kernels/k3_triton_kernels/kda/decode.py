@@ -1,5 +1,6 @@
 """One KDA decode step for a batch of sequences, each reading and writing its state in
-vLLM's cache slots: the Triton kernel, its launcher, and the PyTorch reference.
+vLLM's cache slots: the Triton kernel and its launcher; the PyTorch reference is
+``naive.kda_decode_reference``.
 
 Per sequence ``n`` (one new token) and head ``h`` (``K`` = ``V`` = head dim):
 
@@ -24,50 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from k3_triton_kernels.kda import naive as ref
+from k3_triton_kernels.kda.naive import kda_decode_reference
 from k3_triton_kernels.runtime import log_path, triton_blocker
-
-# -- PyTorch reference ----------------------------------------------------------------
-
-
-def kda_decode_reference(
-    qkv,
-    conv_weight,
-    conv_state,
-    decay,
-    dt_bias,
-    a_log,
-    beta,
-    recurrent_state,
-    slots,
-    *,
-    lower_bound: float = -5.0,
-) -> torch.Tensor:
-    tokens = qkv.shape[0]
-    heads = a_log.shape[0]
-    channels = qkv.shape[1] // 3
-    dim = channels // heads
-    out = torch.empty(tokens, heads, dim, dtype=torch.float32, device=qkv.device)
-    for n, slot in enumerate(slots.tolist()):
-        mixed, new_conv = ref.causal_conv_silu(
-            qkv[n : n + 1].float(), conv_weight[:, None, :].float(), conv_state[slot]
-        )
-        q, k, v = (part.reshape(1, heads, dim) for part in mixed.split(channels, -1))
-        u = (decay[n].float() + dt_bias.float()).reshape(1, heads, dim)
-        g = ref.kda_gate(u, a_log, lower_bound)
-        o, new_state = ref.kda_recurrence(
-            ref.l2_normalize(q) / dim**0.5,
-            ref.l2_normalize(k),
-            v,
-            g,
-            beta[n : n + 1].float(),
-            recurrent_state[slot],
-        )
-        out[n] = o[0]
-        conv_state[slot] = new_conv.to(conv_state.dtype)
-        recurrent_state[slot] = new_state.to(recurrent_state.dtype)
-    return out
-
 
 # -- Triton kernel --------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The KDA references in PyTorch, beside their kernels: the gate, the short causal
 convolution, the gated delta rule token by token (``kda_recurrence``, the
 definition) and in chunks (``chunk_terms`` then ``state_pass``, the WY form the
-prefill kernels compute). The recurrent state is ``[H, K, V]`` (key channel first,
+prefill kernels compute), and one decode step over vLLM's cache slots
+(``kda_decode_reference``). The recurrent state is ``[H, K, V]`` (key channel first,
 as flash-linear-attention keeps it). Everything is fp32.
 
 Within a chunk of ``C`` tokens let ``G_t = Σ_{i≤t} g_i`` (per head and key channel,
@@ -180,3 +181,42 @@ def state_pass(
             + terms.k_to_end[index].transpose(-1, -2) @ w
         )
     return out, s
+
+
+def kda_decode_reference(
+    qkv,
+    conv_weight,
+    conv_state,
+    decay,
+    dt_bias,
+    a_log,
+    beta,
+    recurrent_state,
+    slots,
+    *,
+    lower_bound: float = -5.0,
+) -> torch.Tensor:
+    tokens = qkv.shape[0]
+    heads = a_log.shape[0]
+    channels = qkv.shape[1] // 3
+    dim = channels // heads
+    out = torch.empty(tokens, heads, dim, dtype=torch.float32, device=qkv.device)
+    for n, slot in enumerate(slots.tolist()):
+        mixed, new_conv = causal_conv_silu(
+            qkv[n : n + 1].float(), conv_weight[:, None, :].float(), conv_state[slot]
+        )
+        q, k, v = (part.reshape(1, heads, dim) for part in mixed.split(channels, -1))
+        u = (decay[n].float() + dt_bias.float()).reshape(1, heads, dim)
+        g = kda_gate(u, a_log, lower_bound)
+        o, new_state = kda_recurrence(
+            l2_normalize(q) / dim**0.5,
+            l2_normalize(k),
+            v,
+            g,
+            beta[n : n + 1].float(),
+            recurrent_state[slot],
+        )
+        out[n] = o[0]
+        conv_state[slot] = new_conv.to(conv_state.dtype)
+        recurrent_state[slot] = new_state.to(recurrent_state.dtype)
+    return out
