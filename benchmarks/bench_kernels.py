@@ -200,7 +200,7 @@ def moe_cases(smoke: bool):
 
 def expert_weights(experts: int, latent: int, inner: int, device):
     """Random fp32 ``(w13 [E, 2I, L], w2 [E, L, I])``, each row of unit scale over
-    its inputs, for the weight formats to be built from."""
+    its inputs, for the MXFP4 experts (and vLLM's FP8 ones) to be built from."""
     import torch
 
     w13 = torch.randn(experts, 2 * inner, latent, device=device) / latent**0.5

@@ -27,7 +27,8 @@ from vllm_k3_plugin.format.reasoning import (
     collect,
 )
 
-# K3_HYPOTHESIS_EXAMPLES=N runs every property test with N examples (300 in CI).
+# K3_HYPOTHESIS_EXAMPLES=N runs the property tests with N examples (300 in CI), all
+# but those that set their own count.
 settings.register_profile(
     "ci",
     max_examples=int(os.environ.get("K3_HYPOTHESIS_EXAMPLES", "300")),

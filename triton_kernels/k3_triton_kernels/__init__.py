@@ -2,10 +2,11 @@
 of the plugin.
 
 - ``mla.decode``: gated MLA decode attention over the paged (FP8 or BF16) latent cache;
-- ``moe.latent_moe``: the latent fused MoE, FP8 activations, FP8 or MXFP4 experts;
+- ``moe.latent_moe``: the latent fused MoE, FP8 activations, MXFP4 experts;
 - ``kda.chunk_terms``, ``kda.chunk_state``: the chunked KDA prefill; ``kda.decode``:
   one decode token per sequence;
-- ``kda.naive``, ``moe.naive``, ``mxfp4``: the PyTorch references beside them;
+- ``kda.naive``, ``mla.naive``, ``moe.naive``, ``mxfp4``: the PyTorch references
+  beside them;
 - ``runtime``: where a kernel applies, and the log of which path a process took.
 
 Each launcher takes its Triton kernel where it applies and otherwise its PyTorch

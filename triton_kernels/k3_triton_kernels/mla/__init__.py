@@ -1,2 +1,2 @@
-"""Gated MLA decode attention over the paged latent cache (its PyTorch reference
-beside the kernel, in ``decode``)."""
+"""Gated MLA decode attention over the paged latent cache (``decode``) and its PyTorch
+reference (``naive``)."""

@@ -1,2 +1,2 @@
-"""The latent fused MoE (FP8 activations, FP8 or MXFP4 experts) and its expert
-activation's reference (``naive``)."""
+"""The latent fused MoE (FP8 activations, MXFP4 experts) and its PyTorch reference
+(``naive``)."""

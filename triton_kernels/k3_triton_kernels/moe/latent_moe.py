@@ -26,7 +26,7 @@ the caller names the activations' dtype (``fp8_dtype``, the platform's FP8).
 
 The weights are the checkpoint's ``weight_packed`` e2m1 pairs with UE8M0 scales per
 32 inputs. FP8 expert checkpoints are vLLM's ``FusedMoE``'s to run: this kernel
-with FP8 weights measured 0.72x of vLLM's ``fused_moe`` GEMMs at 4,096 tokens on an
+with FP8 per-channel weights measured 0.72-0.93x of vLLM's ``fused_moe`` GEMMs on an
 H200 (``benchmarks/results/kernels_h200.md``).
 
 MXFP4 weights (W4A8): ``tl.dot_scaled`` takes the packed e2m1 bytes and their e8m0
