@@ -19,7 +19,9 @@
    The first such composition also installs ``serving_hooks``: where vLLM's serving
    layer decides a reply's finish reason, a tool call the end of the output cut off
    makes it what ended the output, not ``tool_calls`` / ``tool_use``, and
-   ``/v1/messages`` keeps arguments that are not a JSON object as text.
+   ``/v1/messages`` keeps arguments that are not a JSON object as text; and
+   ``request_hooks``: chat completions' ``thinking`` object switches the template's
+   thinking.
 
 4. ``ModelRegistry.register_model`` for ``KimiK3ForConditionalGeneration`` (the
    published checkpoint's architecture) and ``KimiK3ForCausalLM`` (text only): our
@@ -132,10 +134,11 @@ def as_k3_parser(composed: type | None) -> type | None:
     ):
         return composed
 
-    from vllm_k3_plugin.parsers import serving_hooks
+    from vllm_k3_plugin.parsers import request_hooks, serving_hooks
     from vllm_k3_plugin.parsers.parser import K3Parser
 
     serving_hooks.install()
+    request_hooks.install()
     if issubclass(composed, K3Parser):
         return composed
     return type(

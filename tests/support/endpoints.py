@@ -64,24 +64,35 @@ def _joined(reasoning, content, calls_by_index, finish) -> Reply:
     )
 
 
-def _chat_request(ids, max_tokens, thinking, tools, stop, messages) -> dict[str, Any]:
+def _chat_request(
+    ids, max_tokens, thinking, tools, stop, messages, extra=None
+) -> dict[str, Any]:
     return {
         "model": MODEL,
         "messages": messages or [{"role": "user", "content": PROMPT}],
         "temperature": 0,
         "max_tokens": max_tokens,
         "stop": stop,
-        "extra_body": _extra(ids, thinking),
+        "extra_body": {**_extra(ids, thinking), **(extra or {})},
         **({"tools": tools} if tools else {}),
     }
 
 
 def chat(
-    url, ids, *, max_tokens, thinking=True, tools=None, stop=None, messages=None
+    url,
+    ids,
+    *,
+    max_tokens,
+    thinking=True,
+    tools=None,
+    stop=None,
+    messages=None,
+    extra=None,
 ) -> Reply:
+    """``extra``: more request fields, sent in ``extra_body``."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     response = client.chat.completions.create(
-        **_chat_request(ids, max_tokens, thinking, tools, stop, messages)
+        **_chat_request(ids, max_tokens, thinking, tools, stop, messages, extra)
     )
     choice = response.choices[0]
     message = choice.message
@@ -97,11 +108,20 @@ def chat(
 
 
 def chat_stream(
-    url, ids, *, max_tokens, thinking=True, tools=None, stop=None, messages=None
+    url,
+    ids,
+    *,
+    max_tokens,
+    thinking=True,
+    tools=None,
+    stop=None,
+    messages=None,
+    extra=None,
 ) -> Reply:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     stream = client.chat.completions.create(
-        **_chat_request(ids, max_tokens, thinking, tools, stop, messages), stream=True
+        **_chat_request(ids, max_tokens, thinking, tools, stop, messages, extra),
+        stream=True,
     )
     reasoning, content, finish = [], [], ""
     calls: dict[int, list[str]] = {}

@@ -1,0 +1,69 @@
+"""Chat completions' ``thinking`` object (Moonshot's API form: ``{"type":
+"disabled"}``) switches K3's thinking, through a real ``vllm serve``: the prompt is
+rendered with the response channel open, and the reply is read as content, streamed
+and not. The same output under the default (thinking on) is a thought; the request's
+own ``chat_template_kwargs`` win over the object."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.support.endpoints import MODEL, PROMPT, chat, chat_stream
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.tools.shapes import output_ids
+
+pytestmark = pytest.mark.server
+
+REPLY = "Hi there."
+DISABLED = {"thinking": {"type": "disabled"}}
+
+
+def _ids() -> list[int]:
+    """A plain reply and the stop token: content with thinking off, a thought only
+    with it on (no closer: nothing to replay)."""
+    return output_ids(REPLY, stop=True)
+
+
+@pytest.mark.parametrize("read", [chat, chat_stream], ids=["chat", "chat-stream"])
+def test_a_disabled_thinking_object_makes_the_reply_content(k3_server, read):
+    ids = _ids()
+    budget = len(ids) + 16
+    disabled = read(k3_server, ids, max_tokens=budget, extra=DISABLED)
+    assert (disabled.reasoning, disabled.content) == ("", REPLY)
+    enabled = read(
+        k3_server, ids, max_tokens=budget, extra={"thinking": {"type": "enabled"}}
+    )
+    assert (enabled.reasoning, enabled.content) == (REPLY, "")
+    default = read(k3_server, ids, max_tokens=budget)
+    assert (default.reasoning, default.content) == (REPLY, "")
+    overridden = read(
+        k3_server,
+        ids,
+        max_tokens=budget,
+        extra={**DISABLED, "chat_template_kwargs": {"thinking": True}},
+    )
+    assert (overridden.reasoning, overridden.content) == (REPLY, "")
+
+
+@pytest.mark.parametrize(
+    ("thinking", "opened"),
+    [({"type": "disabled"}, vocab.RESPONSE), ({"type": "enabled"}, vocab.THINK)],
+)
+def test_the_prompt_opens_the_channel_the_object_asks_for(
+    k3_server, hf_tokenizer, thinking, opened
+):
+    ids = _ids()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": len(ids) + 16,
+        "temperature": 0,
+        "return_token_ids": True,
+        "thinking": thinking,
+        "vllm_xargs": {"k3_force_ids": ids},
+    }
+    response = httpx.post(k3_server + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    prompt = hf_tokenizer.decode(response.json()["prompt_token_ids"])
+    assert prompt.endswith(vocab.opener(opened)), prompt[-80:]
