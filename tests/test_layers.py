@@ -3,6 +3,8 @@
 - ``vllm_k3_plugin.format`` (the output format and its readers) imports the standard
   library and itself only: checked on its source, and by importing every module of it
   in a process where vLLM, torch and the rest of the package cannot be imported.
+  ``vllm_k3_plugin.wire`` (Moonshot's wire spec, an ASGI middleware) too, on its
+  source.
 - ``k3_triton_kernels`` imports nothing of the plugin (the same two checks); of the
   plugin, only ``model/`` and ``reference/`` import the kernels.
 - The repository's ``triton_kernels/`` folder never stands in for the package of that
@@ -18,6 +20,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "vllm_k3_plugin"
@@ -51,16 +55,17 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def test_the_format_core_imports_the_standard_library_and_itself_only():
+@pytest.mark.parametrize("layer", ["format", "wire"])
+def test_the_sans_io_layers_import_the_standard_library_and_themselves_only(layer):
     outside = {}
-    for path in sorted(FORMAT.glob("*.py")):
+    for path in sorted((PLUGIN / layer).glob("*.py")):
         for name in imported_modules(path):
             top = name.split(".")[0]
-            if name.startswith("vllm_k3_plugin.format") or top == "__future__":
+            if name.startswith(f"vllm_k3_plugin.{layer}") or top == "__future__":
                 continue
             if top not in sys.stdlib_module_names:
                 outside.setdefault(path.name, []).append(name)
-    assert not outside, f"the format core imports outside itself: {outside}"
+    assert not outside, f"vllm_k3_plugin.{layer} imports outside itself: {outside}"
 
 
 BLOCKED_IMPORT = textwrap.dedent(

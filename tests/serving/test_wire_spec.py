@@ -1,0 +1,157 @@
+"""Moonshot's wire spec through a real ``vllm serve`` started with the switch
+(``--middleware vllm_k3_plugin.wire.MoonshotWireSpec --enable-prompt-tokens-details``),
+read as raw server-sent events: a thinking reply, a tool-call reply and a
+non-thinking reply, streamed and not. Checked per frame as the spec's suite checks
+them (``docs/moonshot_stream_spec.md``): P0.4 usage on the end frame, P0.1/P0.2 usage
+details, P0.6 framing, P0.7/P1.3 constant fields, P0.9 the first frame, P0.10 and the
+one-kind-a-frame rule, P0.12 ``reasoning_content``, P1.7 the boundary, P1.10 the end
+frame's empty delta, P2.3 no summary unless asked."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.support.endpoints import MODEL, PROMPT
+from tests.support.expected_tools import TOOL_SHAPES
+from vllm_k3_plugin.tools.shapes import SHAPES, WEATHER_TOOL, output_ids
+
+pytestmark = pytest.mark.server
+
+SWITCH = ("--middleware", "vllm_k3_plugin.wire.MoonshotWireSpec")
+KINDS = ("content", "reasoning_content", "tool_calls")
+ENVELOPE = ("id", "object", "created", "model")
+
+
+@pytest.fixture(scope="module")
+def wire_server(tiny_checkpoint, tmp_path_factory):
+    from tests.support.server import running_server
+
+    log = tmp_path_factory.mktemp("wire-server") / "vllm-serve.log"
+    with running_server(
+        tiny_checkpoint, log, *SWITCH, "--enable-prompt-tokens-details"
+    ) as url:
+        yield url
+
+
+def _body(shape: str, stream: bool, **extra) -> dict:
+    output, thinking, _ = SHAPES[shape]
+    ids = output_ids(output, stop=True)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": len(ids) + 16,
+        "temperature": 0,
+        "stream": stream,
+        "thinking": {"type": "enabled" if thinking else "disabled"},
+        "vllm_xargs": {"k3_force_ids": ids},
+        **extra,
+    }
+    if shape in TOOL_SHAPES:
+        body["tools"] = [WEATHER_TOOL]
+        body["tool_choice"] = "auto"
+    return body
+
+
+def _frames(url: str, body: dict) -> list[dict]:
+    """The stream's frames, each line checked as P0.6 checks it."""
+    frames = []
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=body, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        assert "text/event-stream" in response.headers["content-type"]
+        for line in response.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                return frames
+            frames.append(json.loads(data))
+    raise AssertionError("no [DONE]")
+
+
+def _usage_ok(usage) -> None:
+    assert isinstance(usage, dict), usage
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert type(usage[key]) is int
+    assert type(usage["completion_tokens_details"]["reasoning_tokens"]) is int
+    assert type(usage["prompt_tokens_details"]["cached_tokens"]) is int
+
+
+def _read(frames: list[dict]) -> dict:
+    """Walk the frames as the spec does; return what was read."""
+    first = frames[0]
+    read = {"reasoning": "", "content": "", "arguments": "", "boundary": False}
+    summaries = [f for f in frames if f["choices"] == []]
+    for frame in frames:
+        assert {k: frame[k] for k in ENVELOPE} == {k: first[k] for k in ENVELOPE}
+    choices = [f["choices"] for f in frames if f["choices"]]
+    assert all(len(c) == 1 for c in choices)
+    assert choices[0][0]["delta"].get("role") == "assistant"
+    ends = [c[0] for c in choices if c[0]["finish_reason"] is not None]
+    assert len(ends) == 1 and choices[-1][0] is ends[0]
+    assert ends[0]["delta"] == {}  # P1.10
+    _usage_ok(ends[0].get("usage"))  # P0.4
+    read["finish"] = ends[0]["finish_reason"]
+    for (choice,) in choices[1:-1]:
+        delta = choice["delta"]
+        assert "role" not in delta
+        assert sum(kind in delta for kind in KINDS) <= 1, delta  # one kind a frame
+        if "content" in delta:
+            assert isinstance(delta["content"], str)  # P0.10
+            assert not delta["content"] or not read["reasoning"] or read["boundary"]
+            read["content"] += delta["content"]
+        if "reasoning_content" in delta:
+            text = delta["reasoning_content"]
+            assert not read["boundary"], "reasoning after the boundary"  # P1.7
+            if text == "":
+                assert read["reasoning"]
+                read["boundary"] = True
+            else:
+                assert delta["reasoning"] == text  # P0.12, beside vLLM's field
+                read["reasoning"] += text
+        for call in delta.get("tool_calls") or ():
+            read["arguments"] += call["function"].get("arguments") or ""
+    read["summaries"] = summaries
+    return read
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["plain", "include_usage"])
+def test_a_thinking_reply(wire_server, usage):
+    extra = {"stream_options": {"include_usage": True}} if usage else {}
+    read = _read(_frames(wire_server, _body("think-then-reply", True, **extra)))
+    assert (read["reasoning"], read["content"]) == ("Let me think.", "Hello!")
+    assert read["boundary"] and read["finish"] == "stop"
+    assert len(read["summaries"]) == (1 if usage else 0)  # P0.1, P2.3
+    for frame in read["summaries"]:
+        _usage_ok(frame["usage"])
+
+
+def test_a_tool_call_reply(wire_server):
+    read = _read(_frames(wire_server, _body("tools-in-think", True)))
+    reasoning, content, ((_, arguments),) = TOOL_SHAPES["tools-in-think"]
+    assert (read["reasoning"], read["content"]) == (reasoning, content)
+    assert read["boundary"] and read["finish"] == "tool_calls"
+    assert json.loads(read["arguments"]) == json.loads(arguments)
+
+
+def test_a_reply_without_thinking(wire_server):
+    read = _read(_frames(wire_server, _body("thinking-off", True)))
+    assert (read["reasoning"], read["content"]) == ("", "Hi there.")
+    assert not read["boundary"]
+
+
+def test_a_whole_reply_carries_reasoning_content(wire_server):
+    response = httpx.post(
+        wire_server + "/v1/chat/completions",
+        json=_body("think-then-reply", False),
+        timeout=120,
+    )
+    assert response.status_code == 200
+    message = response.json()["choices"][0]["message"]
+    assert message["reasoning_content"] == message["reasoning"] == "Let me think."
+    assert message["content"] == "Hello!"

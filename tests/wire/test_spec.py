@@ -1,0 +1,286 @@
+"""Moonshot's wire spec as a rewrite of vLLM's chat completions exchange, on frames
+shaped as vLLM 0.32 and 0.33 send them (``docs/moonshot_stream_spec.md``), and
+through the ASGI middleware with the stream cut at every byte."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from vllm_k3_plugin.wire import MoonshotWireSpec
+from vllm_k3_plugin.wire.spec import (
+    BOUNDARY,
+    StreamRewrite,
+    rewrite_body,
+    rewrite_request,
+)
+
+ENVELOPE = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion.chunk",
+    "created": 7,
+    "model": "k3",
+}
+USAGE = {
+    "prompt_tokens": 5,
+    "completion_tokens": 9,
+    "total_tokens": 14,
+    "prompt_tokens_details": {"cached_tokens": 0},
+    "completion_tokens_details": {"reasoning_tokens": 4},
+}
+
+
+def chunk(delta, finish=None, **choice):
+    return {
+        **ENVELOPE,
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+                **choice,
+            }
+        ],
+    }
+
+
+def summary():
+    return {**ENVELOPE, "choices": [], "usage": USAGE}
+
+
+FIRST = chunk({"role": "assistant", "content": ""})
+
+
+def run(frames, wants_usage=False):
+    rewrite = StreamRewrite(client_wants_usage=wants_usage)
+    out = []
+    for frame in frames:
+        out += rewrite.chunk(frame)
+    return out + rewrite.done()
+
+
+def deltas(frames):
+    return [
+        (f["choices"][0]["delta"], f["choices"][0]["finish_reason"])
+        for f in frames
+        if f["choices"]
+    ]
+
+
+def test_a_thinking_reply():
+    out = run(
+        [
+            FIRST,
+            chunk({"reasoning": "Let me"}),
+            chunk({"reasoning": " think."}),
+            chunk({"content": "Hello"}),
+            chunk({"content": "!"}, "stop"),
+            summary(),
+        ]
+    )
+    assert deltas(out) == [
+        ({"role": "assistant", "content": ""}, None),
+        ({"reasoning": "Let me", "reasoning_content": "Let me"}, None),
+        ({"reasoning": " think.", "reasoning_content": " think."}, None),
+        (BOUNDARY, None),
+        ({"content": "Hello"}, None),
+        ({"content": "!"}, None),
+        ({}, "stop"),
+    ]
+    end = out[-1]["choices"][0]
+    assert end["usage"] == USAGE
+    assert all(frame["choices"] for frame in out)  # the summary was not asked for
+    for frame in out:
+        assert {k: frame[k] for k in ENVELOPE} == ENVELOPE
+
+
+def test_the_summary_reaches_a_client_that_asked_for_it():
+    out = run([FIRST, chunk({"content": "Hi"}, "stop"), summary()], wants_usage=True)
+    assert out[-1] == summary()
+    assert out[-2]["choices"][0]["usage"] == USAGE
+
+
+def test_a_mixed_delta_is_split_one_kind_a_frame():
+    call = [{"index": 0, "id": "functions.f:0", "type": "function",
+             "function": {"name": "f", "arguments": ""}}]  # fmt: skip
+    out = run(
+        [
+            FIRST,
+            chunk({"reasoning": "Hm.", "content": "Ok", "tool_calls": call}),
+            chunk({"content": None, "tool_calls": []}, "tool_calls"),
+        ]
+    )
+    assert deltas(out)[1:] == [
+        ({"reasoning": "Hm.", "reasoning_content": "Hm."}, None),
+        (BOUNDARY, None),
+        ({"content": "Ok"}, None),
+        ({"tool_calls": call}, None),
+        ({}, "tool_calls"),
+    ]
+
+
+def test_a_thought_only_output_ends_thinking_before_the_end_frame():
+    out = run([FIRST, chunk({"reasoning": "Just thinking"}, "length"), summary()])
+    assert deltas(out)[1:] == [
+        ({"reasoning": "Just thinking", "reasoning_content": "Just thinking"}, None),
+        (BOUNDARY, None),
+        ({}, "length"),
+    ]
+
+
+def test_no_reasoning_no_boundary_and_a_null_content_is_dropped():
+    out = run([FIRST, chunk({"content": None}), chunk({"content": "Hi."}, "stop")])
+    assert deltas(out)[1:] == [({"content": "Hi."}, None), ({}, "stop")]
+    assert "usage" not in out[-1]["choices"][0]  # no summary came: none to give
+
+
+def test_per_token_fields_ride_on_the_last_piece():
+    logprobs = {"content": [{"token": "x", "logprob": -0.1}]}
+    out = run([FIRST, chunk({"reasoning": "a", "content": "b"}, logprobs=logprobs)])
+    pieces = [f["choices"][0] for f in out[1:]]
+    assert [p.get("logprobs") for p in pieces] == [None, None, logprobs]
+    assert [p["delta"] for p in pieces][-1] == {"content": "b"}
+
+
+def test_errors_and_unknown_payloads_pass_through():
+    error = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
+    assert run([error]) == [error]
+
+
+def test_the_request_asks_vllm_for_the_usage_summary():
+    body = {"model": "k3", "messages": [], "stream": True}
+    upstream, wants = rewrite_request(body)
+    assert upstream["stream_options"] == {"include_usage": True} and not wants
+    upstream, wants = rewrite_request(
+        {
+            **body,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+        }
+    )
+    assert wants and upstream["stream_options"]["continuous_usage_stats"] is False
+    assert rewrite_request({"model": "k3", "messages": []}) == (
+        {"model": "k3", "messages": []},
+        False,
+    )
+
+
+def test_a_whole_reply_gets_reasoning_content():
+    body = {
+        "choices": [
+            {"message": {"role": "assistant", "reasoning": "r", "content": "c"}}
+        ]
+    }
+    assert rewrite_body(body)["choices"][0]["message"]["reasoning_content"] == "r"
+
+
+# -- the ASGI middleware --------------------------------------------------------------
+
+
+def sse(frames):
+    body = b"".join(
+        b"data: " + json.dumps(f, separators=(",", ":")).encode() + b"\n\n"
+        for f in frames
+    )
+    return body + b"data: [DONE]\n\n"
+
+
+def serve(app, path, request, cut=None):
+    """The middleware around ``app``; the response body as sent, and its start."""
+    sent = []
+    body = json.dumps(request).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path,
+             "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+    asyncio.run(MoonshotWireSpec(app)(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    data = b"".join(
+        m.get("body", b"") for m in sent if m["type"] == "http.response.body"
+    )
+    return start, data
+
+
+def streaming_app(frames, cut):
+    seen = {}
+
+    async def app(scope, receive, send):
+        message = await receive()
+        seen["request"] = json.loads(message["body"])
+        events_type = (b"content-type", b"text/event-stream; charset=utf-8")
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [events_type]}
+        )
+        data = sse(frames)
+        pieces = [data[i : i + cut] for i in range(0, len(data), cut)]
+        for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app, seen
+
+
+FRAMES = [
+    FIRST,
+    chunk({"reasoning": "Plan é 🌍."}),
+    chunk({"reasoning": "More.", "content": "Answer"}),
+    chunk({"content": "."}, "stop"),
+    summary(),
+]
+
+
+def events(data):
+    return [
+        json.loads(e[len(b"data: ") :]) if e != b"data: [DONE]" else "[DONE]"
+        for e in data.split(b"\n\n")
+        if e
+    ]
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 64, 100_000])
+def test_the_middleware_rewrites_the_stream_however_it_is_cut(cut):
+    app, seen = streaming_app(FRAMES, cut)
+    _, data = serve(app, "/v1/chat/completions", {"model": "k3", "stream": True})
+    assert seen["request"]["stream_options"] == {"include_usage": True}
+    got = events(data)
+    assert got[-1] == "[DONE]"
+    assert got[:-1] == run(FRAMES)
+
+
+def test_the_middleware_rewrites_a_whole_reply_and_its_length():
+    reply = {"choices": [{"message": {"reasoning": "r", "content": "c"}}]}
+
+    async def app(scope, receive, send):
+        await receive()
+        body = json.dumps(reply).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    start, data = serve(app, "/v1/chat/completions", {"model": "k3"})
+    assert json.loads(data)["choices"][0]["message"]["reasoning_content"] == "r"
+    assert dict(start["headers"])[b"content-length"] == str(len(data)).encode()
+
+
+@pytest.mark.parametrize(
+    ("path", "status"), [("/v1/completions", 200), ("/v1/chat/completions", 400)]
+)
+def test_other_paths_and_errors_pass_through(path, status):
+    error = b'{"error":{"message":"bad","type":"BadRequestError","code":400}}'
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": error})
+
+    start, data = serve(app, path, {"model": "k3", "stream": True})
+    assert start["status"] == status and data == error

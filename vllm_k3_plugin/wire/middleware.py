@@ -1,0 +1,181 @@
+"""``--middleware vllm_k3_plugin.wire.MoonshotWireSpec``: the switch that puts a
+deployment's ``/v1/chat/completions`` on Moonshot's wire spec (``spec.py`` says what
+changes). A pure ASGI middleware, standard library only: vLLM adds it outermost, so
+it sees the request body before vLLM parses it and every byte vLLM sends back. Any
+other path, method or status passes through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from vllm_k3_plugin.wire.spec import (
+    CHAT_COMPLETIONS_PATH,
+    StreamRewrite,
+    rewrite_body,
+    rewrite_request,
+)
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_DONE = b"[DONE]"
+
+
+class MoonshotWireSpec:
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if (
+            scope.get("type") != "http"
+            or scope.get("method") != "POST"
+            or scope.get("path") != CHAT_COMPLETIONS_PATH
+        ):
+            await self.app(scope, receive, send)
+            return
+        raw = await _read_body(receive)
+        try:
+            request = json.loads(raw)
+        except ValueError:
+            request = None
+        if not isinstance(request, dict):
+            # Not a JSON object: vLLM answers it (with its own error).
+            await self.app(scope, _replaying(raw, receive), send)
+            return
+        upstream, wants_usage = rewrite_request(request)
+        body = json.dumps(upstream, ensure_ascii=False).encode()
+        scope = {**scope, "headers": _with_length(scope.get("headers", []), len(body))}
+        await self.app(
+            scope, _replaying(body, receive), _Rewriting(send, wants_usage).send
+        )
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """The request body once, then the client's own messages (vLLM watches them for
+    a disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _with_length(headers, length: int) -> list:
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    return [*kept, (b"content-length", str(length).encode())]
+
+
+class _Rewriting:
+    """The response side: server-sent events rewritten frame by frame, a JSON body
+    rewritten whole; anything else, or an error status, as it comes."""
+
+    def __init__(self, send: Send, wants_usage: bool) -> None:
+        self._send = send
+        self._wants_usage = wants_usage
+        self._mode: str | None = None
+        self._start: Message | None = None
+        self._buffer = b""
+        self._stream: StreamRewrite | None = None
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            content_type = _header(message, b"content-type")
+            if message.get("status") != 200:
+                self._mode = "pass"
+            elif content_type.startswith(b"text/event-stream"):
+                self._mode = "events"
+                self._stream = StreamRewrite(client_wants_usage=self._wants_usage)
+            elif content_type.startswith(b"application/json"):
+                self._mode = "json"
+                self._start = message
+                return  # sent with the rewritten body's length
+            else:
+                self._mode = "pass"
+            await self._send(message)
+            return
+        if kind != "http.response.body" or self._mode == "pass":
+            await self._send(message)
+            return
+        more = message.get("more_body", False)
+        if self._mode == "json":
+            self._buffer += message.get("body", b"")
+            if not more:
+                await self._send_json()
+            return
+        await self._send_events(message.get("body", b""), more)
+
+    async def _send_json(self) -> None:
+        body = self._buffer
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            body = json.dumps(rewrite_body(parsed), ensure_ascii=False).encode()
+        start = dict(self._start or {})
+        start["headers"] = _with_length(start.get("headers", []), len(body))
+        await self._send(start)
+        await self._send({"type": "http.response.body", "body": body})
+
+    async def _send_events(self, data: bytes, more: bool) -> None:
+        self._buffer += data
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        if not more and self._buffer.strip():
+            events.append(self._buffer)
+            self._buffer = b""
+        out = b"".join(self._event(event) for event in events)
+        if not more:
+            out += b"".join(_data(frame) for frame in self._stream.done())
+        if out or not more:
+            await self._send(
+                {"type": "http.response.body", "body": out, "more_body": more}
+            )
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: "):
+            return event + b"\n\n" if event.strip() else b""
+        body = event[len(b"data: ") :]
+        if body.strip() == _DONE:
+            held = b"".join(_data(frame) for frame in self._stream.done())
+            return held + event + b"\n\n"
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return event + b"\n\n"
+        if not isinstance(payload, dict):
+            return event + b"\n\n"
+        return b"".join(_data(frame) for frame in self._stream.chunk(payload))
+
+
+def _data(frame: dict[str, Any]) -> bytes:
+    text = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + text.encode() + b"\n\n"
+
+
+def _header(message: Message, name: bytes) -> bytes:
+    for key, value in message.get("headers", []):
+        if key.lower() == name:
+            return value.lower()
+    return b""

@@ -1,0 +1,187 @@
+"""Moonshot's streaming wire spec for chat completions, as a rewrite of vLLM's
+exchange (sans-I/O, standard library only): the request JSON before vLLM reads it,
+each streamed chunk (a parsed ``data:`` payload) and the non-streamed body after.
+
+What the rewrite gives (``docs/moonshot_stream_spec.md`` lists the spec's items):
+
+- ``reasoning_content`` beside vLLM's ``reasoning``, the same text (P0.12), in every
+  delta and in the non-streamed message;
+- a frame whose delta is ``{"reasoning_content": ""}`` where thinking ends: before
+  the first content, tool call or end frame after some reasoning (P1.7);
+- one kind per frame: a delta carrying reasoning, content and tool calls together
+  is split into one frame each, in that order; ``"content": null`` is dropped
+  (P0.10 and the mutual-exclusion check);
+- the end frame's delta is ``{}``: text riding in it goes out in a frame before it
+  (P1.10, P1.12);
+- the end frame carries ``choices[0].usage`` (P0.4): the request asks vLLM for the
+  usage summary, the end frame is held until the summary arrives and takes its
+  usage, and the summary reaches the client only if it asked for it (P2.3).
+
+A frame inserted or split off copies the chunk's ``id``, ``object``, ``created`` and
+``model`` and sets ``finish_reason`` to ``null``. Frames without choices other than
+the summary, and errors, pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+# The order a split delta's parts go out in.
+_KINDS = ("reasoning", "content", "tool_calls")
+_ENVELOPE = ("id", "object", "created", "model")
+_PER_TOKEN = ("logprobs", "token_ids")
+BOUNDARY = {"reasoning_content": ""}
+"""The delta that marks where thinking ends."""
+
+
+def rewrite_request(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The request vLLM gets, and whether the client asked for the usage summary
+    (a streamed request always asks vLLM for it: the end frame needs the usage)."""
+    if not body.get("stream"):
+        return body, False
+    options = body.get("stream_options")
+    options = dict(options) if isinstance(options, dict) else {}
+    wanted = bool(options.get("include_usage"))
+    options["include_usage"] = True
+    return {**body, "stream_options": options}, wanted
+
+
+def rewrite_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A non-streamed response: ``reasoning_content`` beside each message's
+    ``reasoning``."""
+    for choice in body.get("choices") or ():
+        message = choice.get("message")
+        if isinstance(message, dict) and "reasoning" in message:
+            message["reasoning_content"] = message["reasoning"]
+    return body
+
+
+@dataclass
+class _Choice:
+    reasoning_sent: bool = False
+    boundary_sent: bool = False
+    held_end: dict[str, Any] | None = None
+
+
+@dataclass
+class StreamRewrite:
+    """One streamed response. ``chunk`` takes each parsed ``data:`` payload and
+    returns the payloads to send in its place; ``done`` is called at ``[DONE]``
+    (or the stream's end) and returns what is still held."""
+
+    client_wants_usage: bool
+    _choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def chunk(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        choices = payload.get("choices")
+        if not isinstance(choices, list):
+            return [payload]  # an error or anything else: as it came
+        if not choices:
+            return self._summary(payload)
+        out: list[dict[str, Any]] = []
+        for choice in choices:
+            out += self._choice(payload, choice)
+        return out
+
+    def done(self) -> list[dict[str, Any]]:
+        held = [c.held_end for c in self._choices.values() if c.held_end is not None]
+        for state in self._choices.values():
+            state.held_end = None
+        return held
+
+    # -- per choice -------------------------------------------------------------------
+
+    def _choice(self, payload, choice) -> list[dict[str, Any]]:
+        state = self._choices.setdefault(choice.get("index", 0), _Choice())
+        delta = choice.get("delta")
+        if not isinstance(delta, dict) or "role" in delta:
+            return [_frame(payload, choice)]  # the first frame, or not a delta
+        bare = _bare(choice)
+        per_token = {key: choice[key] for key in _PER_TOKEN if key in choice}
+        deltas: list[dict[str, Any]] = []
+        for part in _parts(delta):
+            if "reasoning" in part:
+                state.reasoning_sent = True
+                part = {**part, "reasoning_content": part["reasoning"]}
+            elif state.reasoning_sent and not state.boundary_sent:
+                deltas.append(BOUNDARY)
+                state.boundary_sent = True
+            deltas.append(part)
+        finish = choice.get("finish_reason")
+        if finish is not None and state.reasoning_sent and not state.boundary_sent:
+            deltas.append(BOUNDARY)
+            state.boundary_sent = True
+        if not deltas and finish is None and any(per_token.values()):
+            deltas.append({})  # logprobs or token ids with nothing to show
+        out = []
+        for number, part in enumerate(deltas):
+            # The per-token fields ride on the last piece of what they came with.
+            extra = per_token if number == len(deltas) - 1 else {}
+            out.append(
+                _frame(payload, {**bare, **extra, "delta": part, "finish_reason": None})
+            )
+        if finish is not None:
+            # Held until the usage summary follows (``rewrite_request`` asks for
+            # it), or the stream ends.
+            state.held_end = _frame(payload, {**bare, "delta": {}})
+        return out
+
+    def _summary(self, payload) -> list[dict[str, Any]]:
+        usage = payload.get("usage")
+        out = []
+        for state in self._choices.values():
+            if state.held_end is not None:
+                if isinstance(usage, dict):
+                    state.held_end["choices"][0]["usage"] = copy.deepcopy(usage)
+                out.append(state.held_end)
+                state.held_end = None
+        if self.client_wants_usage:
+            out.append(payload)
+        return out
+
+
+def _parts(delta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The delta as one-kind deltas, in order; null values dropped, and an empty
+    content string with them."""
+    parts = []
+    for kind in _KINDS:
+        value = delta.get(kind)
+        if value is None or value == "" or value == []:
+            continue
+        parts.append({kind: value})
+    others = {
+        key: value
+        for key, value in delta.items()
+        if key not in _KINDS and value is not None
+    }
+    if others:
+        if parts:
+            parts[0] = {**others, **parts[0]}
+        else:
+            parts.append(others)
+    return parts
+
+
+def _bare(choice: dict[str, Any]) -> dict[str, Any]:
+    """The choice without its delta and per-token fields."""
+    return {
+        key: value
+        for key, value in choice.items()
+        if key != "delta" and key not in _PER_TOKEN
+    }
+
+
+def _frame(payload: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
+    frame = {key: payload[key] for key in _ENVELOPE if key in payload}
+    frame.update(
+        {
+            key: value
+            for key, value in payload.items()
+            if key not in (*_ENVELOPE, "choices")
+        }
+    )
+    frame["choices"] = [choice]
+    return frame
