@@ -1,0 +1,107 @@
+"""What Moonshot's wire-spec switch costs a streamed reply, per frame: vLLM-shaped
+server-sent events (a first frame, a thought, a reply, the end frame, the usage
+summary) sent one event a message through ``MoonshotWireSpec``, beside the same
+events through a middleware that passes them on, in one process, the collector off.
+
+    python benchmarks/bench_wire.py [--tokens 2000 20000]
+
+Prints µs per frame for each and the difference: what the switch adds to every
+streamed token (the parsers' own cost is ``bench_reasoning.py``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import time
+
+from vllm_k3_plugin.wire import MoonshotWireSpec
+
+ENVELOPE = {"id": "chatcmpl-0123456789abcdef", "object": "chat.completion.chunk",
+            "created": 1765000000, "model": "moonshotai/Kimi-K3"}  # fmt: skip
+
+
+def events(tokens: int) -> list[bytes]:
+    def frame(delta, finish=None):
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**ENVELOPE, "choices": [choice]}
+
+    frames = [frame({"role": "assistant", "content": ""})]
+    frames += [frame({"reasoning": " thought"}) for _ in range(tokens // 2)]
+    frames += [frame({"content": " reply"}) for _ in range(tokens // 2)]
+    frames.append(frame({}, "stop"))
+    usage = {
+        "prompt_tokens": 12,
+        "completion_tokens": tokens,
+        "total_tokens": tokens + 12,
+    }
+    frames.append({**ENVELOPE, "choices": [], "usage": usage})
+    encoded = [
+        b"data: " + json.dumps(f, separators=(",", ":")).encode() + b"\n\n"
+        for f in frames
+    ]
+    return [*encoded, b"data: [DONE]\n\n"]
+
+
+def app_sending(data: list[bytes]):
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        for piece in data:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+class PassThrough:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        await self.app(scope, receive, send)
+
+
+def seconds(middleware, data: list[bytes]) -> float:
+    body = json.dumps({"model": "k3", "stream": True, "messages": []}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        return None
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": []}  # fmt: skip
+    wrapped = middleware(app_sending(data))
+    started = time.perf_counter()
+    asyncio.run(wrapped(scope, receive, send))
+    return time.perf_counter() - started
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2000, 20000])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    print("| tokens | pass-through µs/frame | switch µs/frame | added µs/frame |")
+    print("|---:|---:|---:|---:|")
+    gc.disable()
+    for tokens in args.tokens:
+        data = events(tokens)
+        best = {PassThrough: float("inf"), MoonshotWireSpec: float("inf")}
+        for _ in range(args.repeats):
+            for middleware in best:
+                best[middleware] = min(best[middleware], seconds(middleware, data))
+        per = {m: s / len(data) * 1e6 for m, s in best.items()}
+        print(
+            f"| {tokens} | {per[PassThrough]:.2f} | {per[MoonshotWireSpec]:.2f} "
+            f"| {per[MoonshotWireSpec] - per[PassThrough]:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
