@@ -58,7 +58,9 @@ def run(frames, wants_usage=False):
     rewrite = StreamRewrite(client_wants_usage=wants_usage)
     out = []
     for frame in frames:
-        out += rewrite.chunk(frame)
+        frame = json.loads(json.dumps(frame))  # a fresh copy, as parsed off the wire
+        sent = rewrite.chunk(frame)
+        out += [frame] if sent is None else sent
     return out + rewrite.done()
 
 

@@ -166,7 +166,10 @@ class _Rewriting:
             return event + b"\n\n"
         if not isinstance(payload, dict):
             return event + b"\n\n"
-        return b"".join(_data(frame) for frame in self._stream.chunk(payload))
+        frames = self._stream.chunk(payload)
+        if frames is None:
+            return event + b"\n\n"
+        return b"".join(_data(frame) for frame in frames)
 
 
 def _data(frame: dict[str, Any]) -> bytes:

@@ -75,16 +75,40 @@ class StreamRewrite:
     client_wants_usage: bool
     _choices: dict[int, _Choice] = field(default_factory=dict)
 
-    def chunk(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    def chunk(self, payload: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The payloads to send for ``payload``, or ``None``: send it as it came."""
         choices = payload.get("choices")
         if not isinstance(choices, list):
-            return [payload]  # an error or anything else: as it came
+            return None  # an error or anything else
         if not choices:
             return self._summary(payload)
+        if len(choices) == 1 and isinstance(choices[0], dict):
+            unchanged = self._as_it_comes(choices[0])
+            if unchanged is not None:
+                return None if unchanged else [payload]
         out: list[dict[str, Any]] = []
         for choice in choices:
             out += self._choice(payload, choice)
         return out
+
+    def _as_it_comes(self, choice: dict[str, Any]) -> bool | None:
+        """Most frames: one piece of one kind, nothing to split or insert. ``True``:
+        the chunk goes on unchanged; ``False``: as it is now (a reasoning piece has
+        gained its ``reasoning_content``); ``None``: the general path."""
+        delta = choice.get("delta")
+        if not isinstance(delta, dict) or len(delta) != 1:
+            return None
+        if choice.get("finish_reason") is not None:
+            return None
+        state = self._choices.setdefault(choice.get("index", 0), _Choice())
+        ((kind, value),) = delta.items()
+        if kind == "reasoning" and isinstance(value, str) and value:
+            state.reasoning_sent = True
+            delta["reasoning_content"] = value
+            return False
+        if kind in _KINDS and value and state.boundary_sent == state.reasoning_sent:
+            return True
+        return None
 
     def done(self) -> list[dict[str, Any]]:
         held = [c.held_end for c in self._choices.values() if c.held_end is not None]
