@@ -7,6 +7,7 @@ import pytest
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
 from vllm_k3_plugin.parsers import request_hooks
+from vllm_k3_plugin.parsers.request_state import thinking_requested
 
 
 def _request(**fields) -> ChatCompletionRequest:
@@ -44,3 +45,20 @@ def test_the_requests_template_kwargs_win(own):
     ).build_chat_params(None, "auto")
     assert params.chat_template_kwargs.get("thinking", True) is True
     assert params.chat_template_kwargs.get("enable_thinking", True) is True
+
+
+@pytest.mark.parametrize(
+    ("thinking", "effort", "on"),
+    [("disabled", "high", False), ("enabled", "none", True)],
+)
+def test_the_thinking_object_wins_over_reasoning_effort(thinking, effort, on):
+    """vLLM turns ``reasoning_effort`` into ``enable_thinking`` beside the object's
+    ``thinking``; the K3 template, vLLM's K3 renderer and our reading all take
+    ``thinking`` first."""
+    request_hooks.install()
+    params = _request(
+        thinking={"type": thinking}, reasoning_effort=effort
+    ).build_chat_params(None, "auto")
+    assert params.chat_template_kwargs["thinking"] is on
+    assert params.chat_template_kwargs["enable_thinking"] is not on
+    assert thinking_requested(params.chat_template_kwargs) is on

@@ -155,7 +155,19 @@ def test_errors_and_unknown_payloads_pass_through():
 def test_the_request_asks_vllm_for_the_usage_summary():
     body = {"model": "k3", "messages": [], "stream": True}
     upstream, wants = rewrite_request(body)
-    assert upstream["stream_options"] == {"include_usage": True} and not wants
+    # Continuous usage off: vLLM reads it only with the summary the client did not
+    # ask for.
+    assert not wants
+    assert upstream["stream_options"] == {
+        "include_usage": True,
+        "continuous_usage_stats": False,
+    }
+    upstream, wants = rewrite_request(
+        {**body, "stream_options": {"continuous_usage_stats": True}}
+    )
+    assert upstream["stream_options"]["continuous_usage_stats"] is False
+    not_options = {**body, "stream_options": "yes"}
+    assert rewrite_request(not_options) == (not_options, False)  # vLLM's 400
     upstream, wants = rewrite_request(
         {
             **body,
@@ -250,7 +262,7 @@ def events(data):
 def test_the_middleware_rewrites_the_stream_however_it_is_cut(cut):
     app, seen = streaming_app(FRAMES, cut)
     _, data = serve(app, "/v1/chat/completions", {"model": "k3", "stream": True})
-    assert seen["request"]["stream_options"] == {"include_usage": True}
+    assert seen["request"]["stream_options"]["include_usage"] is True
     got = events(data)
     assert got[-1] == "[DONE]"
     assert got[:-1] == run(FRAMES)
@@ -286,3 +298,92 @@ def test_other_paths_and_errors_pass_through(path, status):
 
     start, data = serve(app, path, {"model": "k3", "stream": True})
     assert start["status"] == status and data == error
+
+
+def test_the_last_steps_tokens_go_out_before_the_end_frame():
+    """vLLM's finishing chunk may show nothing and still carry the step's tokens."""
+    logprobs = {"content": [{"token": "<|end|>", "logprob": -0.5}]}
+    out = run([FIRST, chunk({}, "stop", logprobs=logprobs, token_ids=[2]), summary()])
+    assert [f["choices"][0] for f in out[1:]] == [
+        {"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": None,
+         "token_ids": [2]},
+        {"index": 0, "delta": {}, "finish_reason": "stop", "usage": USAGE},
+    ]  # fmt: skip
+
+
+def test_thinking_between_calls_ends_before_the_reply_text():
+    """Reasoning, a call, more reasoning, then text: the boundary goes before the
+    text, so no reasoning follows it (a think block after the reply's text would)."""
+    call = [{"index": 0, "id": "functions.f:0", "type": "function",
+             "function": {"name": "f", "arguments": "{}"}}]  # fmt: skip
+    out = run(
+        [
+            FIRST,
+            chunk({"reasoning": "Need data."}),
+            chunk({"tool_calls": call}),
+            chunk({"reasoning": " Resumed."}),
+            chunk({"content": "Final."}),
+            chunk({}, "stop"),
+            summary(),
+        ]
+    )
+    kinds = [next(iter(d), "end") for d, _ in deltas(out)[1:]]
+    assert kinds == ["reasoning", "tool_calls", "reasoning", "reasoning_content",
+                     "content", "end"]  # fmt: skip
+    assert deltas(out)[4][0] == BOUNDARY
+
+
+def test_an_error_frame_comes_after_what_was_held():
+    error = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
+    out = run([FIRST, chunk({"content": "Hi"}, "stop"), error])
+    assert out[-2]["choices"][0]["finish_reason"] == "stop" and out[-1] == error
+
+
+def test_a_request_the_client_left_is_not_served():
+    called = []
+
+    async def app(scope, receive, send):
+        called.append(scope)
+
+    parts = iter(
+        [
+            {"type": "http.request", "body": b'{"stream":', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+    )
+
+    async def receive():
+        return next(parts)
+
+    async def send(message):
+        raise AssertionError("nothing to send")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": []}  # fmt: skip
+    asyncio.run(MoonshotWireSpec(app)(scope, receive, send))
+    assert not called
+
+
+def test_a_lone_surrogate_in_the_request_stays_escaped():
+    app, seen = streaming_app(FRAMES, 64)
+    request = {"model": "k3", "stream": True,
+               "messages": [{"role": "user", "content": "a\ud83d"}]}  # fmt: skip
+    _, data = serve(app, "/v1/chat/completions", request)
+    assert seen["request"]["messages"][0]["content"] == "a\ud83d"
+    assert events(data)[-1] == "[DONE]"
+
+
+def test_crlf_framed_events_are_read_as_events():
+    frames = [FIRST, chunk({"reasoning": "r"}), chunk({"content": "c"}, "stop")]
+
+    async def app(scope, receive, send):
+        await receive()
+        events_type = (b"content-type", b"text/event-stream")
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [events_type]}
+        )
+        body = sse(frames).replace(b"\n", b"\r\n")
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    _, data = serve(app, "/v1/chat/completions", {"model": "k3", "stream": True})
+    assert events(data)[:-1] == run(frames)

@@ -6,12 +6,17 @@ reads Anthropic's field of that name; its chat completions keep it as an ignored
 extra field, so a request that says disabled still gets a prompt that opens the think
 channel, and the reply is read as reasoning.
 
-Installed with the serving hooks (API server, first ``kimi_k3`` parser composition),
+Installed with the serving hooks (API server, the first composition of a parser that
+reads with the ``kimi_k3`` reasoning parser: a deployment serving another model with
+the plugin installed keeps vLLM's behaviour),
 a wrapper of ``ChatCompletionRequest.build_chat_params`` reads the object before the
 prompt is rendered and sets the K3 template's own switch, ``chat_template_kwargs``
 ``thinking`` (which vLLM's K3 renderer reads too): ``disabled`` to ``False``,
 ``enabled`` and ``adaptive`` to ``True``. The request's ``chat_template_kwargs``
-``thinking`` or ``enable_thinking``, where given, win. The parsers then read the start
+``thinking`` or ``enable_thinking``, where given, win; the object wins over
+``reasoning_effort`` (which vLLM turns into ``enable_thinking``: the K3 template,
+vLLM's K3 renderer and our reading take ``thinking`` first), whose level still reaches
+the template. The parsers then read the start
 state from the rendered prompt as for any request. Any other value of ``thinking``
 changes nothing (vLLM logs it as an ignored field, as before).
 """

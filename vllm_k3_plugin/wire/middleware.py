@@ -38,6 +38,8 @@ class MoonshotWireSpec:
             await self.app(scope, receive, send)
             return
         raw = await _read_body(receive)
+        if raw is None:
+            return  # the client left before its request arrived whole
         try:
             request = json.loads(raw)
         except ValueError:
@@ -47,23 +49,23 @@ class MoonshotWireSpec:
             await self.app(scope, _replaying(raw, receive), send)
             return
         upstream, wants_usage = rewrite_request(request)
-        body = json.dumps(upstream, ensure_ascii=False).encode()
+        body = raw if upstream is request else _json_bytes(upstream)
         scope = {**scope, "headers": _with_length(scope.get("headers", []), len(body))}
         await self.app(
             scope, _replaying(body, receive), _Rewriting(send, wants_usage).send
         )
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or ``None`` if the client disconnected first."""
     chunks = []
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            break
+            return None
         chunks.append(message.get("body", b""))
         if not message.get("more_body"):
-            break
-    return b"".join(chunks)
+            return b"".join(chunks)
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:
@@ -82,8 +84,18 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
 
 
 def _with_length(headers, length: int) -> list:
-    kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    dropped = (b"content-length", b"transfer-encoding")
+    kept = [(k, v) for k, v in headers if k.lower() not in dropped]
     return [*kept, (b"content-length", str(length).encode())]
+
+
+def _json_bytes(value: Any, separators: tuple[str, str] | None = None) -> bytes:
+    """``value`` as UTF-8 JSON; text that UTF-8 cannot hold (an escaped lone
+    surrogate) stays escaped."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=separators).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=separators).encode()
 
 
 class _Rewriting:
@@ -133,14 +145,14 @@ class _Rewriting:
         except ValueError:
             parsed = None
         if isinstance(parsed, dict):
-            body = json.dumps(rewrite_body(parsed), ensure_ascii=False).encode()
+            body = _json_bytes(rewrite_body(parsed))
         start = dict(self._start or {})
         start["headers"] = _with_length(start.get("headers", []), len(body))
         await self._send(start)
         await self._send({"type": "http.response.body", "body": body})
 
     async def _send_events(self, data: bytes, more: bool) -> None:
-        self._buffer += data
+        self._buffer += data.replace(b"\r\n", b"\n")
         *events, self._buffer = self._buffer.split(b"\n\n")
         if not more and self._buffer.strip():
             events.append(self._buffer)
@@ -173,8 +185,7 @@ class _Rewriting:
 
 
 def _data(frame: dict[str, Any]) -> bytes:
-    text = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
-    return b"data: " + text.encode() + b"\n\n"
+    return b"data: " + _json_bytes(frame, (",", ":")) + b"\n\n"
 
 
 def _header(message: Message, name: bytes) -> bytes:

@@ -42,10 +42,15 @@ def rewrite_request(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     (a streamed request always asks vLLM for it: the end frame needs the usage)."""
     if not body.get("stream"):
         return body, False
-    options = body.get("stream_options")
-    options = dict(options) if isinstance(options, dict) else {}
+    options = body.get("stream_options", {})
+    if not isinstance(options, dict):
+        return body, False  # vLLM refuses it, as it would without the switch
     wanted = bool(options.get("include_usage"))
-    options["include_usage"] = True
+    options = {**options, "include_usage": True}
+    if not wanted:
+        # vLLM reads continuous usage only together with the summary: a client
+        # that asked for the one without the other gets neither, as before.
+        options["continuous_usage_stats"] = False
     return {**body, "stream_options": options}, wanted
 
 
@@ -79,7 +84,9 @@ class StreamRewrite:
         """The payloads to send for ``payload``, or ``None``: send it as it came."""
         choices = payload.get("choices")
         if not isinstance(choices, list):
-            return None  # an error or anything else
+            # An error or anything else: after what is held, which it ends.
+            held = self.done()
+            return [*held, payload] if held else None
         if not choices:
             return self._summary(payload)
         if len(choices) == 1 and isinstance(choices[0], dict):
@@ -106,7 +113,9 @@ class StreamRewrite:
             state.reasoning_sent = True
             delta["reasoning_content"] = value
             return False
-        if kind in _KINDS and value and state.boundary_sent == state.reasoning_sent:
+        if kind == "tool_calls" and value:
+            return True
+        if kind == "content" and value and state.boundary_sent == state.reasoning_sent:
             return True
         return None
 
@@ -130,23 +139,23 @@ class StreamRewrite:
             if "reasoning" in part:
                 state.reasoning_sent = True
                 part = {**part, "reasoning_content": part["reasoning"]}
-            elif state.reasoning_sent and not state.boundary_sent:
-                deltas.append(BOUNDARY)
+            elif "content" in part and state.reasoning_sent and not state.boundary_sent:
+                deltas.append(dict(BOUNDARY))
                 state.boundary_sent = True
             deltas.append(part)
         finish = choice.get("finish_reason")
         if finish is not None and state.reasoning_sent and not state.boundary_sent:
-            deltas.append(BOUNDARY)
+            deltas.append(dict(BOUNDARY))
             state.boundary_sent = True
-        if not deltas and finish is None and any(per_token.values()):
+        if not deltas and any(per_token.values()):
             deltas.append({})  # logprobs or token ids with nothing to show
         out = []
         for number, part in enumerate(deltas):
             # The per-token fields ride on the last piece of what they came with.
             extra = per_token if number == len(deltas) - 1 else {}
-            out.append(
-                _frame(payload, {**bare, **extra, "delta": part, "finish_reason": None})
-            )
+            piece = {**bare, **extra, "delta": part, "finish_reason": None}
+            piece.pop("stop_reason", None)
+            out.append(_frame(payload, piece))
         if finish is not None:
             # Held until the usage summary follows (``rewrite_request`` asks for
             # it), or the stream ends.
