@@ -131,9 +131,12 @@ def test_a_thinking_reply(wire_server, usage):
         _usage_ok(frame["usage"])
 
 
-def test_a_tool_call_reply(wire_server):
-    read = _read(_frames(wire_server, _body("tools-in-think", True)))
-    reasoning, content, ((_, arguments),) = TOOL_SHAPES["tools-in-think"]
+@pytest.mark.parametrize("shape", ["tools-in-think", "think-between-calls"])
+def test_a_tool_call_reply(wire_server, shape):
+    """A call from the thought, and thinking resumed between calls then a reply:
+    the boundary comes after all the thinking, before the reply's text."""
+    read = _read(_frames(wire_server, _body(shape, True)))
+    reasoning, content, ((_, arguments),) = TOOL_SHAPES[shape]
     assert (read["reasoning"], read["content"]) == (reasoning, content)
     assert read["boundary"] and read["finish"] == "tool_calls"
     assert json.loads(read["arguments"]) == json.loads(arguments)
