@@ -4,19 +4,22 @@ read as raw server-sent events: a thinking reply, a tool-call reply and a
 non-thinking reply, streamed and not. Checked per frame as the spec's suite checks
 them (``docs/moonshot_stream_spec.md``): P0.4 usage on the end frame, P0.1/P0.2 usage
 details, P0.6 framing, P0.7/P1.3 constant fields, P0.9 the first frame, P0.10 and the
-one-kind-a-frame rule, P0.12 ``reasoning_content``, P1.7 the boundary, P1.10 the end
-frame's empty delta, P2.3 no summary unless asked."""
+one-kind-a-frame rule, P0.12 ``reasoning_content``, P0.13/P0.3 a call's first chunk
+and its continuations, P1.7 the boundary, P1.10 the end frame's empty delta, P2.1
+24-hex ids, P2.2 ``NAME_N`` call ids, P2.3 no summary unless asked."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
 
 from tests.support.endpoints import MODEL, PROMPT
-from tests.support.expected_tools import TOOL_SHAPES
-from vllm_k3_plugin.tools.shapes import SHAPES, WEATHER_TOOL, output_ids
+from tests.support.expected_tools import MULTI, TOOL_SHAPES
+from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.tools.shapes import SHAPES, TOOLS, WEATHER_TOOL, output_ids
 
 pytestmark = pytest.mark.server
 
@@ -85,7 +88,9 @@ def _usage_ok(usage) -> None:
 def _read(frames: list[dict]) -> dict:
     """Walk the frames as the spec does; return what was read."""
     first = frames[0]
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", first["id"]), first["id"]  # P2.1
     read = {"reasoning": "", "content": "", "arguments": "", "boundary": False}
+    started: set[int] = set()
     summaries = [f for f in frames if f["choices"] == []]
     for frame in frames:
         assert {k: frame[k] for k in ENVELOPE} == {k: first[k] for k in ENVELOPE}
@@ -115,6 +120,17 @@ def _read(frames: list[dict]) -> dict:
                 assert delta["reasoning"] == text  # P0.12, beside vLLM's field
                 read["reasoning"] += text
         for call in delta.get("tool_calls") or ():
+            if call["index"] not in started:  # P0.13, P2.2
+                started.add(call["index"])
+                name = call["function"]["name"]
+                assert (
+                    call["type"] == "function" and call["function"]["arguments"] == ""
+                )
+                assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*_\d+", call["id"])
+                assert call["id"].startswith(name + "_")
+            else:  # P0.3
+                assert set(call) <= {"index", "function"}
+                assert set(call["function"]) == {"arguments"}
             read["arguments"] += call["function"].get("arguments") or ""
     read["summaries"] = summaries
     return read
@@ -155,6 +171,71 @@ def test_a_whole_reply_carries_reasoning_content(wire_server):
         timeout=120,
     )
     assert response.status_code == 200
-    message = response.json()["choices"][0]["message"]
+    body = response.json()
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", body["id"])
+    message = body["choices"][0]["message"]
     assert message["reasoning_content"] == message["reasoning"] == "Let me think."
     assert message["content"] == "Hello!"
+
+
+def test_a_whole_tool_call_reply_has_the_specs_ids(wire_server):
+    response = httpx.post(
+        wire_server + "/v1/chat/completions",
+        json=_body("tools-in-think", False),
+        timeout=120,
+    )
+    assert response.status_code == 200
+    (call,) = response.json()["choices"][0]["message"]["tool_calls"]
+    assert call["id"] == "get_weather_0"
+
+
+def test_the_next_turn_matches_results_to_calls_by_the_specs_ids(
+    wire_server, hf_tokenizer
+):
+    """P2.2's ids do not break the next turn: the calls go back with ``NAME_N`` ids
+    and their results in the opposite order; vLLM's K3 renderer matches each result
+    to its call by id (verbatim) and renders them in call order."""
+    body = {**_body("reply-then-calls", False), "tools": TOOLS}
+    first = httpx.post(wire_server + "/v1/chat/completions", json=body, timeout=120)
+    assert first.status_code == 200
+    message = first.json()["choices"][0]["message"]
+    calls = message["tool_calls"]
+    assert [c["id"] for c in calls] == [
+        f"{name}_{n}" for n, (name, _) in enumerate(MULTI)
+    ]
+    answer = "Sunny; file written."
+    ids = output_ids(answer + vocab.RESPONSE_END + vocab.MESSAGE_END, stop=True)
+    history = [
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "content": message["content"], "tool_calls": calls},
+        *reversed(
+            [
+                {"role": "tool", "tool_call_id": c["id"], "content": f"result {n}"}
+                for n, c in enumerate(calls)
+            ]
+        ),
+    ]
+    second = httpx.post(
+        wire_server + "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": history,
+            "tools": TOOLS,
+            "max_tokens": len(ids) + 8,
+            "return_token_ids": True,
+            "vllm_xargs": {"k3_force_ids": ids},
+        },
+        timeout=120,
+    )
+    assert second.status_code == 200, second.text
+    reply = second.json()
+    assert reply["choices"][0]["message"]["content"] == answer
+    prompt = hf_tokenizer.decode(reply["prompt_token_ids"], skip_special_tokens=False)
+    rendered = [
+        f'<|open|>message role="tool" tool="{name}" index="{n}"<|sep|>'
+        f"{vocab.RESPONSE_START}result {n - 1}{vocab.RESPONSE_END}"
+        for n, (name, _) in enumerate(MULTI, start=1)
+    ]
+    assert all(part in prompt for part in rendered), prompt[-1500:]
+    positions = [prompt.index(part) for part in rendered]
+    assert positions == sorted(positions)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -54,8 +55,8 @@ def summary():
 FIRST = chunk({"role": "assistant", "content": ""})
 
 
-def run(frames, wants_usage=False):
-    rewrite = StreamRewrite(client_wants_usage=wants_usage)
+def run(frames, wants_usage=False, history=0):
+    rewrite = StreamRewrite(client_wants_usage=wants_usage, history=history)
     out = []
     for frame in frames:
         frame = json.loads(json.dumps(frame))  # a fresh copy, as parsed off the wire
@@ -119,7 +120,7 @@ def test_a_mixed_delta_is_split_one_kind_a_frame():
         ({"reasoning": "Hm.", "reasoning_content": "Hm."}, None),
         (BOUNDARY, None),
         ({"content": "Ok"}, None),
-        ({"tool_calls": call}, None),
+        ({"tool_calls": [{**call[0], "id": "f_0"}]}, None),
         ({}, "tool_calls"),
     ]
 
@@ -167,7 +168,8 @@ def test_the_request_asks_vllm_for_the_usage_summary():
     )
     assert upstream["stream_options"]["continuous_usage_stats"] is False
     not_options = {**body, "stream_options": "yes"}
-    assert rewrite_request(not_options) == (not_options, False)  # vLLM's 400
+    upstream, wants = rewrite_request(not_options)  # vLLM's 400, as without
+    assert upstream["stream_options"] == "yes" and not wants
     upstream, wants = rewrite_request(
         {
             **body,
@@ -175,10 +177,47 @@ def test_the_request_asks_vllm_for_the_usage_summary():
         }
     )
     assert wants and upstream["stream_options"]["continuous_usage_stats"] is False
-    assert rewrite_request({"model": "k3", "messages": []}) == (
-        {"model": "k3", "messages": []},
-        False,
-    )
+    upstream, wants = rewrite_request({"model": "k3", "messages": []})
+    assert "stream_options" not in upstream and not wants  # not streamed
+
+
+def test_the_response_id_is_24_hex_digits_unless_the_client_named_one():
+    """vLLM answers ``chatcmpl-`` and the request's ``request_id`` (P2.1)."""
+    upstream, _ = rewrite_request({"model": "k3", "messages": []})
+    assert re.fullmatch(r"[0-9a-f]{24}", upstream["request_id"])
+    upstream, _ = rewrite_request({"model": "k3", "messages": [], "request_id": "x"})
+    assert upstream["request_id"] == "x"
+
+
+def test_a_calls_first_chunk_names_it_and_its_arguments_follow():
+    """P0.13 and P2.2: the first chunk of a call carries ``arguments: ""`` and the
+    id ``NAME_N`` (``N`` from ``functions.NAME:N``, or the conversation's count);
+    its arguments, and several calls in one delta, go out one piece a frame."""
+    calls = [
+        {"index": 0, "id": "functions.get_weather:3", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city"'}},
+        {"index": 1, "id": "chatcmpl-tool-ab12", "type": "function",
+         "function": {"name": "f", "arguments": ""}},
+    ]  # fmt: skip
+    more = [{"index": 0, "function": {"arguments": ': "Paris"}'}}]
+    out = run([chunk({"tool_calls": calls}), chunk({"tool_calls": more})], history=3)
+    assert [f["choices"][0]["delta"]["tool_calls"] for f in out] == [
+        [{"index": 0, "id": "get_weather_3", "type": "function",
+          "function": {"name": "get_weather", "arguments": ""}}],
+        [{"index": 0, "function": {"arguments": '{"city"'}}],
+        [{"index": 1, "id": "f_4", "type": "function",
+          "function": {"name": "f", "arguments": ""}}],
+        [{"index": 0, "function": {"arguments": ': "Paris"}'}}],
+    ]  # fmt: skip
+
+
+def test_a_whole_reply_gets_the_specs_call_ids():
+    body = {"choices": [{"message": {"tool_calls": [
+        {"id": "functions.get_weather:1", "function": {"name": "get_weather"}},
+        {"id": "chatcmpl-tool-x", "function": {"name": "f"}},
+    ]}}]}  # fmt: skip
+    calls = rewrite_body(body, history=1)["choices"][0]["message"]["tool_calls"]
+    assert [call["id"] for call in calls] == ["get_weather_1", "f_2"]
 
 
 def test_a_whole_reply_gets_reasoning_content():
@@ -328,9 +367,9 @@ def test_thinking_between_calls_ends_before_the_reply_text():
         ]
     )
     kinds = [next(iter(d), "end") for d, _ in deltas(out)[1:]]
-    assert kinds == ["reasoning", "tool_calls", "reasoning", "reasoning_content",
-                     "content", "end"]  # fmt: skip
-    assert deltas(out)[4][0] == BOUNDARY
+    assert kinds == ["reasoning", "tool_calls", "tool_calls", "reasoning",
+                     "reasoning_content", "content", "end"]  # fmt: skip
+    assert deltas(out)[5][0] == BOUNDARY
 
 
 def test_an_error_frame_comes_after_what_was_held():

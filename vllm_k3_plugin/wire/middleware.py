@@ -14,6 +14,7 @@ from typing import Any
 from vllm_k3_plugin.wire.spec import (
     CHAT_COMPLETIONS_PATH,
     StreamRewrite,
+    history_calls,
     rewrite_body,
     rewrite_request,
 )
@@ -49,11 +50,10 @@ class MoonshotWireSpec:
             await self.app(scope, _replaying(raw, receive), send)
             return
         upstream, wants_usage = rewrite_request(request)
-        body = raw if upstream is request else _json_bytes(upstream)
+        body = _json_bytes(upstream)
         scope = {**scope, "headers": _with_length(scope.get("headers", []), len(body))}
-        await self.app(
-            scope, _replaying(body, receive), _Rewriting(send, wants_usage).send
-        )
+        rewriting = _Rewriting(send, wants_usage, history_calls(request))
+        await self.app(scope, _replaying(body, receive), rewriting.send)
 
 
 async def _read_body(receive: Receive) -> bytes | None:
@@ -102,9 +102,10 @@ class _Rewriting:
     """The response side: server-sent events rewritten frame by frame, a JSON body
     rewritten whole; anything else, or an error status, as it comes."""
 
-    def __init__(self, send: Send, wants_usage: bool) -> None:
+    def __init__(self, send: Send, wants_usage: bool, history: int) -> None:
         self._send = send
         self._wants_usage = wants_usage
+        self._history = history
         self._mode: str | None = None
         self._start: Message | None = None
         self._buffer = b""
@@ -118,7 +119,7 @@ class _Rewriting:
                 self._mode = "pass"
             elif content_type.startswith(b"text/event-stream"):
                 self._mode = "events"
-                self._stream = StreamRewrite(client_wants_usage=self._wants_usage)
+                self._stream = StreamRewrite(self._wants_usage, self._history)
             elif content_type.startswith(b"application/json"):
                 self._mode = "json"
                 self._start = message
@@ -145,7 +146,7 @@ class _Rewriting:
         except ValueError:
             parsed = None
         if isinstance(parsed, dict):
-            body = _json_bytes(rewrite_body(parsed))
+            body = _json_bytes(rewrite_body(parsed, self._history))
         start = dict(self._start or {})
         start["headers"] = _with_length(start.get("headers", []), len(body))
         await self._send(start)

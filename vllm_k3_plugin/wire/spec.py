@@ -25,6 +25,9 @@ the summary, and errors, pass through unchanged.
 from __future__ import annotations
 
 import copy
+import re
+import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +38,43 @@ _ENVELOPE = ("id", "object", "created", "model")
 _PER_TOKEN = ("logprobs", "token_ids")
 BOUNDARY = {"reasoning_content": ""}
 """The delta that marks where thinking ends."""
+# vLLM's and the plugin's tool-call id for K3 models: ``functions.NAME:N``.
+_K3_CALL_ID = re.compile(r"^functions\.(.+):(\d+)$")
+
+
+def object_id() -> str:
+    """24 hex digits, as a MongoDB ObjectId: 4 bytes of seconds, 8 random bytes (the
+    spec's response ids, P2.1)."""
+    return f"{int(time.time()) & 0xFFFFFFFF:08x}{secrets.token_hex(8)}"
+
+
+def spec_call_id(call_id: Any, name: Any, number: int) -> Any:
+    """The spec's tool-call id, ``NAME_N`` (P2.2): ``functions.NAME:N`` read as it
+    is; any other id numbered ``number`` (the conversation's call count)."""
+    if not isinstance(name, str) or not name:
+        return call_id
+    found = _K3_CALL_ID.match(call_id) if isinstance(call_id, str) else None
+    if found is not None and found.group(1) == name:
+        return f"{name}_{found.group(2)}"
+    return f"{name}_{number}"
+
+
+def history_calls(body: dict[str, Any]) -> int:
+    """Tool calls the request's past assistant turns made."""
+    count = 0
+    for message in body.get("messages") or ():
+        if isinstance(message, dict) and message.get("role") == "assistant":
+            calls = message.get("tool_calls")
+            count += len(calls) if isinstance(calls, list) else 0
+    return count
 
 
 def rewrite_request(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """The request vLLM gets, and whether the client asked for the usage summary
     (a streamed request always asks vLLM for it: the end frame needs the usage)."""
+    if "request_id" not in body:
+        # vLLM's response id is ``chatcmpl-`` and this (an X-Request-Id header wins).
+        body = {**body, "request_id": object_id()}
     if not body.get("stream"):
         return body, False
     options = body.get("stream_options", {})
@@ -54,13 +89,20 @@ def rewrite_request(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return {**body, "stream_options": options}, wanted
 
 
-def rewrite_body(body: dict[str, Any]) -> dict[str, Any]:
+def rewrite_body(body: dict[str, Any], history: int = 0) -> dict[str, Any]:
     """A non-streamed response: ``reasoning_content`` beside each message's
-    ``reasoning``."""
+    ``reasoning``; tool-call ids in the spec's form (``history``: the request's past
+    calls)."""
     for choice in body.get("choices") or ():
         message = choice.get("message")
-        if isinstance(message, dict) and "reasoning" in message:
+        if not isinstance(message, dict):
+            continue
+        if "reasoning" in message:
             message["reasoning_content"] = message["reasoning"]
+        for number, call in enumerate(message.get("tool_calls") or (), history):
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                name = call["function"].get("name")
+                call["id"] = spec_call_id(call.get("id"), name, number)
     return body
 
 
@@ -78,6 +120,8 @@ class StreamRewrite:
     (or the stream's end) and returns what is still held."""
 
     client_wants_usage: bool
+    history: int = 0
+    """Tool calls the request's past turns made: the spec numbers ids from there."""
     _choices: dict[int, _Choice] = field(default_factory=dict)
 
     def chunk(self, payload: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -113,7 +157,7 @@ class StreamRewrite:
             state.reasoning_sent = True
             delta["reasoning_content"] = value
             return False
-        if kind == "tool_calls" and value:
+        if kind == "tool_calls" and _continuations(value):
             return True
         if kind == "content" and value and state.boundary_sent == state.reasoning_sent:
             return True
@@ -142,6 +186,12 @@ class StreamRewrite:
             elif "content" in part and state.reasoning_sent and not state.boundary_sent:
                 deltas.append(dict(BOUNDARY))
                 state.boundary_sent = True
+            if "tool_calls" in part:
+                others = {k: v for k, v in part.items() if k != "tool_calls"}
+                calls = _call_pieces(part["tool_calls"], self.history)
+                deltas += [{**others, "tool_calls": [calls[0]]}]
+                deltas += [{"tool_calls": [call]} for call in calls[1:]]
+                continue
             deltas.append(part)
         finish = choice.get("finish_reason")
         if finish is not None and state.reasoning_sent and not state.boundary_sent:
@@ -196,6 +246,40 @@ def _parts(delta: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             parts.append(others)
     return parts
+
+
+def _continuations(calls: Any) -> bool:
+    """One call's arguments going on (no id, nothing to rename or split)."""
+    return (
+        isinstance(calls, list)
+        and len(calls) == 1
+        and isinstance(calls[0], dict)
+        and "id" not in calls[0]
+    )
+
+
+def _call_pieces(calls: list[Any], history: int) -> list[Any]:
+    """One call a piece; a call's first chunk (the one with its id) carries its name
+    and ``arguments: ""`` with the spec's id, and its arguments go on in the next
+    piece (P0.13, P2.2)."""
+    pieces: list[Any] = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or "id" not in call:
+            pieces.append(call)
+            continue
+        index = call.get("index", 0)
+        number = history + index if isinstance(index, int) else history
+        arguments = function.get("arguments") or ""
+        first = {
+            **call,
+            "id": spec_call_id(call["id"], function.get("name"), number),
+            "function": {**function, "arguments": ""},
+        }
+        pieces.append(first)
+        if arguments:
+            pieces.append({"index": index, "function": {"arguments": arguments}})
+    return pieces
 
 
 def _bare(choice: dict[str, Any]) -> dict[str, Any]:
