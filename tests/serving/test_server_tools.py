@@ -15,7 +15,10 @@ import pytest
 from tests.support.endpoints import ENDPOINTS, MODEL, PROMPT, chat, chat_stream
 from tests.support.expected_tools import TOOL_SHAPES as EXPECTED
 from tests.support.expected_tools import WEATHER as WEATHER_TEXT
-from tests.support.expected_tools import parsed
+from tests.support.expected_tools import (
+    assert_results_rendered_in_call_order,
+    parsed,
+)
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_call, render_tools
 from vllm_k3_plugin.parsers.serving_hooks import RAW_ARGUMENTS_KEY
@@ -204,14 +207,7 @@ def test_next_turn_renders_results_matched_to_their_calls(k3_server, hf_tokenize
     )
     assert response.choices[0].message.content == answer
     prompt = hf_tokenizer.decode(response.prompt_token_ids, skip_special_tokens=False)
-    rendered = [
-        f'<|open|>message role="tool" tool="{name}" index="{n}"<|sep|>'
-        f"{vocab.RESPONSE_START}result {n - 1}{vocab.RESPONSE_END}"
-        for n, (name, _) in enumerate(MULTI, start=1)
-    ]
-    assert all(part in prompt for part in rendered), prompt[-1500:]
-    positions = [prompt.index(part) for part in rendered]
-    assert positions == sorted(positions)
+    assert_results_rendered_in_call_order(prompt, MULTI)
     # The assistant's calls come back in the K3 format, typed.
     assert render_call(*MULTI[1], 2) in prompt
 

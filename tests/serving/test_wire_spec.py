@@ -17,7 +17,11 @@ import httpx
 import pytest
 
 from tests.support.endpoints import MODEL, PROMPT
-from tests.support.expected_tools import MULTI, TOOL_SHAPES
+from tests.support.expected_tools import (
+    MULTI,
+    TOOL_SHAPES,
+    assert_results_rendered_in_call_order,
+)
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.tools.shapes import SHAPES, TOOLS, WEATHER_TOOL, output_ids
 
@@ -231,11 +235,4 @@ def test_the_next_turn_matches_results_to_calls_by_the_specs_ids(
     reply = second.json()
     assert reply["choices"][0]["message"]["content"] == answer
     prompt = hf_tokenizer.decode(reply["prompt_token_ids"], skip_special_tokens=False)
-    rendered = [
-        f'<|open|>message role="tool" tool="{name}" index="{n}"<|sep|>'
-        f"{vocab.RESPONSE_START}result {n - 1}{vocab.RESPONSE_END}"
-        for n, (name, _) in enumerate(MULTI, start=1)
-    ]
-    assert all(part in prompt for part in rendered), prompt[-1500:]
-    positions = [prompt.index(part) for part in rendered]
-    assert positions == sorted(positions)
+    assert_results_rendered_in_call_order(prompt, MULTI)

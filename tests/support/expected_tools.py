@@ -51,3 +51,18 @@ def history_with_calls(count: int) -> list[dict]:
         },
         *({"role": "tool", "tool_call_id": call_id, "content": "x"} for call_id in ids),
     ]
+
+
+def assert_results_rendered_in_call_order(prompt: str, calls) -> None:
+    """The next turn's prompt holds each call's result (``result N`` for call ``N``,
+    sent in any order) as the K3 template renders a tool message, in call order."""
+    from vllm_k3_plugin.format import vocab
+
+    rendered = [
+        f'<|open|>message role="tool" tool="{name}" index="{n}"<|sep|>'
+        f"{vocab.RESPONSE_START}result {n - 1}{vocab.RESPONSE_END}"
+        for n, (name, _) in enumerate(calls, start=1)
+    ]
+    assert all(part in prompt for part in rendered), prompt[-1500:]
+    positions = [prompt.index(part) for part in rendered]
+    assert positions == sorted(positions)
