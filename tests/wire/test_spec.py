@@ -426,3 +426,24 @@ def test_crlf_framed_events_are_read_as_events():
 
     _, data = serve(app, "/v1/chat/completions", {"model": "k3", "stream": True})
     assert events(data)[:-1] == run(frames)
+
+
+def test_a_continuation_whose_id_is_null_goes_on_unchanged():
+    """vLLM's shared tool-delta helper writes continuations with ``"id": null``."""
+    more = chunk({"tool_calls": [{"index": 0, "id": None,
+                                  "function": {"arguments": "{}"}}]})  # fmt: skip
+    assert StreamRewrite(client_wants_usage=False).chunk(more) is None
+
+
+def test_tool_calls_that_are_not_a_list_go_on_as_they_came():
+    for odd in ({"index": 0}, "x"):
+        out = run([FIRST, chunk({"tool_calls": odd})])
+        assert out[1]["choices"][0]["delta"] == {"tool_calls": odd}
+
+
+def test_messages_that_are_not_a_list_count_no_calls():
+    from vllm_k3_plugin.wire.spec import history_calls
+
+    assert history_calls({"messages": 5}) == 0
+    assert history_calls({"messages": [{"role": "assistant",
+                                        "tool_calls": [{}, {}]}]}) == 2  # fmt: skip

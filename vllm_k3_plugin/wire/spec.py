@@ -62,7 +62,8 @@ def spec_call_id(call_id: Any, name: Any, number: int) -> Any:
 def history_calls(body: dict[str, Any]) -> int:
     """Tool calls the request's past assistant turns made."""
     count = 0
-    for message in body.get("messages") or ():
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
         if isinstance(message, dict) and message.get("role") == "assistant":
             calls = message.get("tool_calls")
             count += len(calls) if isinstance(calls, list) else 0
@@ -186,7 +187,7 @@ class StreamRewrite:
             elif "content" in part and state.reasoning_sent and not state.boundary_sent:
                 deltas.append(dict(BOUNDARY))
                 state.boundary_sent = True
-            if "tool_calls" in part:
+            if "tool_calls" in part and isinstance(part["tool_calls"], list):
                 others = {k: v for k, v in part.items() if k != "tool_calls"}
                 calls = _call_pieces(part["tool_calls"], self.history)
                 deltas += [{**others, "tool_calls": [calls[0]]}]
@@ -254,7 +255,7 @@ def _continuations(calls: Any) -> bool:
         isinstance(calls, list)
         and len(calls) == 1
         and isinstance(calls[0], dict)
-        and "id" not in calls[0]
+        and calls[0].get("id") is None
     )
 
 
@@ -265,8 +266,8 @@ def _call_pieces(calls: list[Any], history: int) -> list[Any]:
     pieces: list[Any] = []
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or "id" not in call:
-            pieces.append(call)
+        if not isinstance(function, dict) or call.get("id") is None:
+            pieces.append(call)  # a continuation (vLLM may write its id as null)
             continue
         index = call.get("index", 0)
         number = history + index if isinstance(index, int) else history
