@@ -14,6 +14,7 @@ import json
 import re
 
 import httpx
+import openai
 import pytest
 
 from tests.support.endpoints import MODEL, PROMPT
@@ -236,3 +237,47 @@ def test_the_next_turn_matches_results_to_calls_by_the_specs_ids(
     assert reply["choices"][0]["message"]["content"] == answer
     prompt = hf_tokenizer.decode(reply["prompt_token_ids"], skip_special_tokens=False)
     assert_results_rendered_in_call_order(prompt, MULTI)
+
+
+def test_the_openai_sdk_reads_the_switchs_fields(wire_server):
+    """Must-show 2: the ``openai`` SDK reads the thinking (``reasoning_content``), the
+    calls and the usage (the summary, and the end frame's ``choices[0].usage``)."""
+    client = openai.OpenAI(base_url=wire_server + "/v1", api_key="none")
+    thinking, content, usages, ends = [], [], [], []
+    for shape in ("think-then-reply", "tools-in-think"):
+        body = _body(shape, True, stream_options={"include_usage": True})
+        fields = {k: body.pop(k) for k in ("model", "messages", "max_tokens")}
+        calls: dict[int, list[str]] = {}
+        stream = client.chat.completions.create(
+            **fields,
+            stream=True,
+            stream_options=body.pop("stream_options"),
+            tools=body.pop("tools", openai.NOT_GIVEN),
+            extra_body={k: v for k, v in body.items() if k != "stream"},
+        )
+        for chunk in stream:
+            if chunk.usage is not None:
+                usages.append(chunk.usage)
+            for choice in chunk.choices:
+                delta = choice.delta
+                thinking.append(getattr(delta, "reasoning_content", None) or "")
+                content.append(delta.content or "")
+                for call in delta.tool_calls or ():
+                    entry = calls.setdefault(call.index, ["", ""])
+                    entry[0] += (call.function and call.function.name) or ""
+                    entry[1] += (call.function and call.function.arguments) or ""
+                if choice.finish_reason is not None:
+                    ends.append((choice.model_extra or {}).get("usage"))
+        if shape == "tools-in-think":
+            ((name, arguments),) = calls.values()
+            assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris"})
+    reasoning = "".join(thinking)
+    assert reasoning == "Let me think." + TOOL_SHAPES["tools-in-think"][0]
+    assert "".join(content) == "Hello!"
+    assert len(usages) == 2 and all(
+        u.completion_tokens_details.reasoning_tokens > 0 for u in usages
+    )
+    assert all(u.prompt_tokens_details.cached_tokens is not None for u in usages)
+    assert len(ends) == 2
+    for end in ends:
+        _usage_ok(end)
