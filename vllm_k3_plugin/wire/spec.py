@@ -113,6 +113,18 @@ class _Choice:
     boundary_sent: bool = False
     held_end: dict[str, Any] | None = None
 
+    @property
+    def boundary_due(self) -> bool:
+        """Thinking went out and its end has not been marked."""
+        return self.reasoning_sent and not self.boundary_sent
+
+    def boundary(self) -> list[dict[str, Any]]:
+        """The boundary delta if it is due (then it is not due again), else none."""
+        if not self.boundary_due:
+            return []
+        self.boundary_sent = True
+        return [dict(BOUNDARY)]
+
 
 @dataclass
 class StreamRewrite:
@@ -160,7 +172,7 @@ class StreamRewrite:
             return False
         if kind == "tool_calls" and _continuations(value):
             return True
-        if kind == "content" and value and state.boundary_sent == state.reasoning_sent:
+        if kind == "content" and value and not state.boundary_due:
             return True
         return None
 
@@ -184,9 +196,8 @@ class StreamRewrite:
             if "reasoning" in part:
                 state.reasoning_sent = True
                 part = {**part, "reasoning_content": part["reasoning"]}
-            elif "content" in part and state.reasoning_sent and not state.boundary_sent:
-                deltas.append(dict(BOUNDARY))
-                state.boundary_sent = True
+            elif "content" in part:
+                deltas += state.boundary()
             if "tool_calls" in part and isinstance(part["tool_calls"], list):
                 others = {k: v for k, v in part.items() if k != "tool_calls"}
                 calls = _call_pieces(part["tool_calls"], self.history)
@@ -195,9 +206,8 @@ class StreamRewrite:
                 continue
             deltas.append(part)
         finish = choice.get("finish_reason")
-        if finish is not None and state.reasoning_sent and not state.boundary_sent:
-            deltas.append(dict(BOUNDARY))
-            state.boundary_sent = True
+        if finish is not None:
+            deltas += state.boundary()
         if not deltas and any(per_token.values()):
             deltas.append({})  # logprobs or token ids with nothing to show
         out = []
