@@ -6,7 +6,9 @@ events through a middleware that passes them on, in one process, the collector o
     python benchmarks/bench_wire.py [--tokens 2000 20000]
 
 Prints µs per frame for each and the difference: what the switch adds to every
-streamed token (the parsers' own cost is ``bench_reasoning.py``'s).
+streamed token (the parsers' own cost is ``bench_reasoning.py``'s). Beside it, where
+vLLM is installed, what vLLM itself spends building and serialising one such chunk
+(its pydantic models, as its stream generator uses them), timed in the same process.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import gc
 import json
 import time
+import timeit
 
 from vllm_k3_plugin.wire import MoonshotWireSpec
 
@@ -26,6 +29,8 @@ ENVELOPE = {"id": "chatcmpl-0123456789abcdef", "object": "chat.completion.chunk"
 def events(tokens: int) -> list[bytes]:
     def frame(delta, finish=None):
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if finish is None:
+            choice["token_ids"] = None  # as vLLM 0.32 writes a middle chunk
         return {**ENVELOPE, "choices": [choice]}
 
     frames = [frame({"role": "assistant", "content": ""})]
@@ -82,6 +87,32 @@ def seconds(middleware, data: list[bytes]) -> float:
     return time.perf_counter() - started
 
 
+def vllm_chunk_seconds(repeats: int = 20000) -> float | None:
+    """vLLM's own work for one content chunk: the delta, the choice and the response
+    built and dumped as its stream generator does; ``None`` without vLLM."""
+    try:
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponseStreamChoice,
+            ChatCompletionStreamResponse,
+        )
+    except ImportError:
+        return None
+
+    def one() -> str:
+        choice = ChatCompletionResponseStreamChoice(
+            index=0,
+            delta=DeltaMessage(content=" reply"),
+            logprobs=None,
+            finish_reason=None,
+            token_ids=None,
+        )
+        chunk = ChatCompletionStreamResponse(**ENVELOPE, choices=[choice])
+        return chunk.model_dump_json(exclude_unset=True)
+
+    return min(timeit.repeat(one, number=repeats, repeat=3)) / repeats
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2000, 20000])
@@ -101,6 +132,11 @@ def main(argv=None) -> None:
             f"| {tokens} | {per[PassThrough]:.2f} | {per[MoonshotWireSpec]:.2f} "
             f"| {per[MoonshotWireSpec] - per[PassThrough]:.2f} |"
         )
+    vllm_chunk = vllm_chunk_seconds()
+    if vllm_chunk is None:
+        print("\nvLLM is not installed here: no figure for its own chunk.")
+    else:
+        print(f"\nvLLM building and dumping one chunk: {vllm_chunk * 1e6:.2f} µs")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import json
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vllm_k3_plugin.wire import MoonshotWireSpec
 from vllm_k3_plugin.wire.spec import (
@@ -447,3 +449,65 @@ def test_messages_that_are_not_a_list_count_no_calls():
     assert history_calls({"messages": 5}) == 0
     assert history_calls({"messages": [{"role": "assistant",
                                         "tool_calls": [{}, {}]}]}) == 2  # fmt: skip
+
+
+_TEXT = st.text(
+    st.characters(codec="utf-8", exclude_categories=()) | st.sampled_from('"\\\n\t/'),
+    max_size=6,
+)
+_DELTAS = st.one_of(
+    st.fixed_dictionaries({"reasoning": _TEXT}),
+    st.fixed_dictionaries({"content": _TEXT}),
+    st.fixed_dictionaries({"content": st.none()}),
+    st.fixed_dictionaries({"reasoning": _TEXT, "content": _TEXT}),
+    st.just({}),
+)
+_CHUNKS = st.builds(
+    lambda delta, index, finish, extra: {
+        **ENVELOPE,
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            | extra
+        ],
+    },
+    _DELTAS,
+    st.integers(0, 1),
+    st.sampled_from([None, None, None, "stop"]),
+    st.sampled_from([{}, {"token_ids": None}, {"token_ids": [5]}]),
+)
+
+
+@given(st.lists(_CHUNKS, max_size=8), st.booleans())
+def test_the_unparsed_path_sends_what_the_parsed_path_sends(chunks, ascii_only):
+    """``StreamRewrite.raw`` on vLLM's compact bytes gives what ``chunk`` gives on
+    the parsed payload, chunk by chunk, and leaves the same state behind."""
+    unparsed, parsed = StreamRewrite(False), StreamRewrite(False)
+    for payload in chunks:
+        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=ascii_only)
+        fast = unparsed.raw(data.encode())
+        if fast is None:
+            got = unparsed.chunk(json.loads(data))
+            got = [json.loads(data)] if got is None else got
+        else:
+            got = [json.loads(fast)]
+        sent = parsed.chunk(json.loads(data))
+        assert got == ([json.loads(data)] if sent is None else sent)
+        assert unparsed._choices == parsed._choices
+    assert unparsed.done() == parsed.done()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"id":"a","choices":[{"index":0,"delta":{"content":"x"}}],"choices":null}',
+        b'{"id":"a","choices":[{"index":0,"delta":{"content":"x"},"delta":null}]}',
+        b'{"id":"a","choices":[{"index":01,"delta":{"content":"x"}}]}',
+        b'{"id":"a","choices":[{"index":0,"delta":{"content":"x\ny"}}]}',
+        b'{"id":"a","choices":[{"index":0,"delta":{"content":"\\x"}}]}',
+        b'{"id":"a","choices":[{"index":0,"delta":{"content":""}}]}',
+        b'{"id":"a","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"stop"}]}',
+        b'{"id": "a","choices":[{"index":0,"delta":{"content":"x"}}]}',
+    ],
+)
+def test_what_is_not_written_as_vllm_writes_a_piece_is_parsed(data):
+    assert StreamRewrite(False).raw(data) is None

@@ -153,12 +153,13 @@ class _Rewriting:
         await self._send({"type": "http.response.body", "body": body})
 
     async def _send_events(self, data: bytes, more: bool) -> None:
-        self._buffer += data.replace(b"\r\n", b"\n")
-        *events, self._buffer = self._buffer.split(b"\n\n")
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        *events, self._buffer = (self._buffer + data).split(b"\n\n")
         if not more and self._buffer.strip():
             events.append(self._buffer)
             self._buffer = b""
-        out = b"".join(self._event(event) for event in events)
+        out = b"".join([self._event(event) for event in events])
         if not more:
             out += b"".join(_data(frame) for frame in self._stream.done())
         if out or not more:
@@ -173,6 +174,9 @@ class _Rewriting:
         if body.strip() == _DONE:
             held = b"".join(_data(frame) for frame in self._stream.done())
             return held + event + b"\n\n"
+        fast = self._stream.raw(body)
+        if fast is not None:
+            return b"data: " + fast + b"\n\n"
         try:
             payload = json.loads(body)
         except ValueError:

@@ -40,6 +40,22 @@ BOUNDARY = {"reasoning_content": ""}
 """The delta that marks where thinking ends."""
 # vLLM's and the plugin's tool-call id for K3 models: ``functions.NAME:N``.
 _K3_CALL_ID = re.compile(r"^functions\.(.+):(\d+)$")
+# A chunk as vLLM serialises most of them: compact JSON, scalar envelope fields, one
+# choice whose delta is one non-empty reasoning or content string, and otherwise only
+# nulls (none under a key the reading depends on). Such a chunk is rewritten without
+# parsing it (``StreamRewrite.raw``); any other chunk, or one written another way,
+# takes the parsed path. Written as strict JSON: what json.loads refuses fails here.
+_CHAR = rb'(?:[^"\\\x00-\x1f]++|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+_STRING = rb'"' + _CHAR + rb'*+"'
+_NONEMPTY_STRING = rb'"' + _CHAR + rb'++"'
+_NUMBER = rb"(?:0|-?[1-9][0-9]*+|-0)"
+_ONE_PIECE = re.compile(
+    rb'\{(?:(?!"choices")"[a-z_]++":(?:' + _STRING + rb"|" + _NUMBER + rb"|null),)*+"
+    rb'"choices":\[\{"index":(0|[1-9][0-9]*+),'
+    rb'"delta":\{"(reasoning|content)":(' + _NONEMPTY_STRING + rb")\}"
+    rb'(?:,(?!"(?:index|delta)")"[a-z_]++":null)*+\}\]'
+    rb'(?:,(?!"choices")"[a-z_]++":null)*+\}'
+)
 
 
 def object_id() -> str:
@@ -154,6 +170,22 @@ class StreamRewrite:
         for choice in choices:
             out += self._choice(payload, choice)
         return out
+
+    def raw(self, data: bytes) -> bytes | None:
+        """``chunk`` on a ``data:`` payload still unparsed, for the chunks vLLM sends
+        most (one reasoning or content piece; see ``_ONE_PIECE``): the bytes to send,
+        or ``None``: parse it and call ``chunk``. Same result as ``chunk`` would give,
+        without reading or writing the JSON."""
+        found = _ONE_PIECE.fullmatch(data)
+        if found is None:
+            return None
+        index = int(found.group(1))
+        state = self._choices.get(index) or self._choices.setdefault(index, _Choice())
+        if found.group(2) == b"reasoning":
+            state.reasoning_sent = True
+            end = found.end(3)
+            return data[:end] + b',"reasoning_content":' + found.group(3) + data[end:]
+        return None if state.boundary_due else data
 
     def _as_it_comes(self, choice: dict[str, Any]) -> bool | None:
         """Most frames: one piece of one kind, nothing to split or insert. ``True``:
