@@ -281,3 +281,165 @@ def test_the_openai_sdk_reads_the_switchs_fields(wire_server):
     assert len(ends) == 2
     for end in ends:
         _usage_ok(end)
+
+
+def _choice_frames(frames: list[dict]) -> list[dict]:
+    return [f for f in frames if f["choices"]]
+
+
+def test_several_choices_each_end_with_their_own_usage(wire_server):
+    """P0.16: ``n=2``: one choice a frame; each choice's end frame carries its own
+    counts with the usage details; the summary comes after both; no middle frame
+    has a usage (P1.15: the continuous usage the switch asked vLLM for is not
+    passed on)."""
+    body = _body("think-then-reply", True, n=2, stream_options={"include_usage": True})
+    del body["temperature"]  # vLLM refuses n > 1 when greedy; the ids are forced
+    frames = _frames(wire_server, body)
+    ends = {}
+    for frame in _choice_frames(frames):
+        (choice,) = frame["choices"]
+        assert "usage" not in frame
+        if choice["finish_reason"] is not None:
+            assert choice["index"] not in ends and choice["delta"] == {}
+            ends[choice["index"]] = choice
+    assert sorted(ends) == [0, 1]
+    (summary,) = [f for f in frames if not f["choices"]]
+    assert frames[-1] is summary
+    for end in ends.values():
+        _usage_ok(end["usage"])
+        assert end["usage"]["prompt_tokens"] == summary["usage"]["prompt_tokens"]
+        assert end["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    completion = sum(end["usage"]["completion_tokens"] for end in ends.values())
+    assert completion == summary["usage"]["completion_tokens"]
+
+
+def test_internal_content_carries_each_pieces_token_ids(wire_server):
+    """P0.5: with ``include_internal_content`` every frame that shows something
+    carries ``delta.internal_content.token_ids``; together they are the output's
+    ids in order (what the stop step showed nothing for may be left out);
+    vLLM's own id fields stay away (the client did not ask for them)."""
+    options = {"include_internal_content": True}
+    body = _body("think-then-reply", True, stream_options=options)
+    frames = _frames(wire_server, body)
+    shown: list[int] = []
+    with_content = 0
+    for frame in _choice_frames(frames)[1:]:
+        (choice,) = frame["choices"]
+        assert "token_ids" not in choice and "prompt_token_ids" not in frame
+        delta = choice["delta"]
+        if any(delta.get(kind) for kind in KINDS):
+            ids = delta["internal_content"]["token_ids"]
+            assert ids and all(isinstance(i, int) and i >= 0 for i in ids)
+            shown += ids
+            with_content += "content" in delta
+    assert with_content > 0
+    forced = body["vllm_xargs"]["k3_force_ids"]
+    assert shown and forced[: len(shown)] == shown
+
+
+def test_continuous_usage_rides_on_every_frame(wire_server):
+    """The Vendor Verifier's continuous reasoning usage check, on a thought that
+    calls a tool: every frame with a choice has a usage with its details (the
+    prompt's cached count included), reasoning tokens never fall and are counted
+    on each thought piece, and the end frame's own usage, its top-level usage and
+    the summary agree."""
+    options = {"include_usage": True, "continuous_usage_stats": True,
+               "include_internal_content": True}  # fmt: skip
+    frames = _frames(wire_server, _body("tools-in-think", True, stream_options=options))
+    counted = 0
+    for frame in _choice_frames(frames):
+        _usage_ok(frame["usage"])
+        reasoning = frame["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        assert reasoning >= counted
+        counted = reasoning
+        if frame["choices"][0]["delta"].get("reasoning_content"):
+            assert reasoning > 0
+    assert any(
+        f["choices"][0]["delta"].get("reasoning_content") == ""
+        for f in _choice_frames(frames)
+    )
+    end, summary = frames[-2], frames[-1]
+    (choice,) = end["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    tokens = {
+        usage["completion_tokens_details"]["reasoning_tokens"]
+        for usage in (choice["usage"], end["usage"], summary["usage"])
+    }
+    assert tokens == {counted} and counted > 0
+
+
+LONG_PROMPT = " ".join(f"fact {n}: the sea is wide." for n in range(300))
+
+
+def test_usage_headers_say_the_prompt_and_its_cached_tokens(wire_server):
+    """P0.18: ``x-msh-usage-prompt-tokens`` and ``x-msh-usage-cached-tokens``, streamed
+    (from the engine's first output) and whole (from the body's usage), equal to
+    the usage the reply ends with; a repeated long prompt hits the prefix cache,
+    so the cached count is read, not assumed 0."""
+    messages = [{"role": "user", "content": LONG_PROMPT}]
+    cached = []
+    for stream in (True, False, True):
+        body = _body("thinking-off", stream, messages=messages)
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        with httpx.stream(
+            "POST", wire_server + "/v1/chat/completions", json=body, timeout=120
+        ) as response:
+            assert response.status_code == 200
+            headers = response.headers
+            text = response.read().decode()
+        if stream:
+            usage = json.loads(text.split("data: ")[-2])["usage"]
+        else:
+            usage = json.loads(text)["usage"]
+        _usage_ok(usage)
+        assert int(headers["x-msh-usage-prompt-tokens"]) == usage["prompt_tokens"]
+        assert (
+            int(headers["x-msh-usage-cached-tokens"])
+            == usage["prompt_tokens_details"]["cached_tokens"]
+        )
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    assert cached[-1] > 0, cached
+
+
+def test_a_past_turns_reasoning_content_is_rendered_as_its_think_element(
+    wire_server, hf_tokenizer
+):
+    """Clients send each past turn's ``reasoning_content`` back: vLLM reads it as
+    the turn's reasoning and the K3 template renders it in the turn's think
+    element, before its reply."""
+    history = [
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "reasoning_content": "Two and two.", "content": "4."},
+        {"role": "user", "content": "And 3 + 3?"},
+    ]
+    body = {**_body("think-then-reply", False), "messages": history,
+            "return_token_ids": True}  # fmt: skip
+    response = httpx.post(wire_server + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    prompt = hf_tokenizer.decode(
+        response.json()["prompt_token_ids"], skip_special_tokens=False
+    )
+    assert (
+        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>Two and two.'
+        "<|close|>think<|sep|><|open|>response<|sep|>4.<|close|>response<|sep|>"
+    ) in prompt
+
+
+@pytest.mark.parametrize("effort", ["low", "high", "max"])
+def test_reasoning_effort_reaches_the_k3_template(wire_server, effort):
+    """vLLM's K3 renderer hands ``reasoning_effort`` low/high/max to the template as
+    ``thinking_effort``: the request is served with thinking on."""
+    body = {**_body("think-then-reply", False), "reasoning_effort": effort}
+    del body["thinking"]
+    response = httpx.post(wire_server + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    assert message["reasoning_content"] == "Let me think."
+
+
+def test_a_reasoning_effort_k3_has_not_is_a_clear_400(wire_server):
+    body = {**_body("think-then-reply", False), "reasoning_effort": "medium"}
+    response = httpx.post(wire_server + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 400
+    assert "low, high, max" in response.json()["error"]["message"]

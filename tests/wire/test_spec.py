@@ -13,8 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_k3_plugin.wire import MoonshotWireSpec
+from vllm_k3_plugin.wire import facts as engine_facts
+from vllm_k3_plugin.wire.facts import EngineFacts
+from vllm_k3_plugin.wire.middleware import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 from vllm_k3_plugin.wire.spec import (
     BOUNDARY,
+    INTERRUPTED,
+    Asked,
     StreamRewrite,
     rewrite_body,
     rewrite_request,
@@ -57,8 +62,10 @@ def summary():
 FIRST = chunk({"role": "assistant", "content": ""})
 
 
-def run(frames, wants_usage=False, history=0):
-    rewrite = StreamRewrite(client_wants_usage=wants_usage, history=history)
+def run(frames, wants_usage=False, history=0, facts=None, **asked):
+    rewrite = StreamRewrite(
+        Asked(usage=wants_usage, history=history, **asked), facts or EngineFacts()
+    )
     out = []
     for frame in frames:
         frame = json.loads(json.dumps(frame))  # a fresh copy, as parsed off the wire
@@ -150,37 +157,83 @@ def test_per_token_fields_ride_on_the_last_piece():
     assert [p["delta"] for p in pieces][-1] == {"content": "b"}
 
 
-def test_errors_and_unknown_payloads_pass_through():
-    error = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
-    assert run([error]) == [error]
+def test_unknown_payloads_pass_through():
+    other = {"something": "else"}
+    assert run([other]) == [other]
+
+
+ERROR = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
+
+
+def test_an_error_mid_stream_ends_the_open_choices_instead():
+    """P1.16: no error-only frame; each choice still open gets its boundary if due
+    and an end frame with the spec's ``server_interrupted``; one that never
+    started gets its first frame too."""
+    out = run([FIRST, chunk({"reasoning": "Hm"}), ERROR], choices=2)
+    assert deltas(out)[1:] == [
+        ({"reasoning": "Hm", "reasoning_content": "Hm"}, None),
+        (BOUNDARY, None),
+        ({}, INTERRUPTED),
+        ({"role": "assistant", "content": ""}, None),
+        ({}, INTERRUPTED),
+    ]
+    assert [f["choices"][0]["index"] for f in out[2:]] == [0, 0, 1, 1]
+    for frame in out:
+        assert {k: frame[k] for k in ENVELOPE} == ENVELOPE
+
+
+def test_an_error_before_any_frame_is_still_a_stream_of_frames():
+    rewrite = StreamRewrite(Asked(model="k3", response_id="chatcmpl-abc"))
+    out = rewrite.chunk(ERROR)
+    assert [f["choices"][0]["delta"] for f in out] == [
+        {"role": "assistant", "content": ""},
+        {},
+    ]
+    assert {f["id"] for f in out} == {"chatcmpl-abc"}
+    assert {f["model"] for f in out} == {"k3"}
 
 
 def test_the_request_asks_vllm_for_the_usage_summary():
     body = {"model": "k3", "messages": [], "stream": True}
-    upstream, wants = rewrite_request(body)
+    upstream, asked = rewrite_request(body)
     # Continuous usage off: vLLM reads it only with the summary the client did not
     # ask for.
-    assert not wants
+    assert not asked.usage
     assert upstream["stream_options"] == {
         "include_usage": True,
         "continuous_usage_stats": False,
     }
-    upstream, wants = rewrite_request(
+    upstream, asked = rewrite_request(
         {**body, "stream_options": {"continuous_usage_stats": True}}
     )
     assert upstream["stream_options"]["continuous_usage_stats"] is False
+    assert not asked.continuous_usage
     not_options = {**body, "stream_options": "yes"}
-    upstream, wants = rewrite_request(not_options)  # vLLM's 400, as without
-    assert upstream["stream_options"] == "yes" and not wants
-    upstream, wants = rewrite_request(
+    upstream, asked = rewrite_request(not_options)  # vLLM's 400, as without
+    assert upstream["stream_options"] == "yes" and not asked.usage
+    upstream, asked = rewrite_request(
         {
             **body,
             "stream_options": {"include_usage": True, "continuous_usage_stats": False},
         }
     )
-    assert wants and upstream["stream_options"]["continuous_usage_stats"] is False
-    upstream, wants = rewrite_request({"model": "k3", "messages": []})
-    assert "stream_options" not in upstream and not wants  # not streamed
+    assert asked.usage and upstream["stream_options"]["continuous_usage_stats"] is False
+    upstream, asked = rewrite_request({"model": "k3", "messages": []})
+    assert "stream_options" not in upstream and not asked.usage  # not streamed
+
+
+def test_several_choices_or_internal_content_ask_vllm_for_more():
+    """P0.16: per-choice counts come only on vLLM's continuous usage frames; P0.5:
+    token ids only with ``return_token_ids``."""
+    body = {"model": "k3", "messages": [], "stream": True, "n": 2}
+    upstream, asked = rewrite_request(body)
+    assert upstream["stream_options"]["continuous_usage_stats"] is True
+    assert asked.choices == 2 and not asked.continuous_usage
+    options = {"include_usage": True, "continuous_usage_stats": True,
+               "include_internal_content": True}  # fmt: skip
+    upstream, asked = rewrite_request({**body, "n": 1, "stream_options": options})
+    assert asked.continuous_usage and asked.internal_content and not asked.token_ids
+    assert upstream["return_token_ids"] is True
 
 
 def test_the_response_id_is_24_hex_digits_unless_the_client_named_one():
@@ -344,7 +397,10 @@ def test_other_paths_and_errors_pass_through(path, status):
 def test_the_last_steps_tokens_go_out_before_the_end_frame():
     """vLLM's finishing chunk may show nothing and still carry the step's tokens."""
     logprobs = {"content": [{"token": "<|end|>", "logprob": -0.5}]}
-    out = run([FIRST, chunk({}, "stop", logprobs=logprobs, token_ids=[2]), summary()])
+    out = run(
+        [FIRST, chunk({}, "stop", logprobs=logprobs, token_ids=[2]), summary()],
+        token_ids=True,
+    )
     assert [f["choices"][0] for f in out[1:]] == [
         {"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": None,
          "token_ids": [2]},
@@ -374,10 +430,9 @@ def test_thinking_between_calls_ends_before_the_reply_text():
     assert deltas(out)[5][0] == BOUNDARY
 
 
-def test_an_error_frame_comes_after_what_was_held():
-    error = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
-    out = run([FIRST, chunk({"content": "Hi"}, "stop"), error])
-    assert out[-2]["choices"][0]["finish_reason"] == "stop" and out[-1] == error
+def test_an_error_frame_after_the_end_flushes_what_was_held():
+    out = run([FIRST, chunk({"content": "Hi"}, "stop"), ERROR])
+    assert deltas(out)[1:] == [({"content": "Hi"}, None), ({}, "stop")]
 
 
 def test_a_request_the_client_left_is_not_served():
@@ -434,7 +489,7 @@ def test_a_continuation_whose_id_is_null_goes_on_unchanged():
     """vLLM's shared tool-delta helper writes continuations with ``"id": null``."""
     more = chunk({"tool_calls": [{"index": 0, "id": None,
                                   "function": {"arguments": "{}"}}]})  # fmt: skip
-    assert StreamRewrite(client_wants_usage=False).chunk(more) is None
+    assert StreamRewrite().chunk(more) is None
 
 
 def test_tool_calls_that_are_not_a_list_go_on_as_they_came():
@@ -481,7 +536,7 @@ _CHUNKS = st.builds(
 def test_the_unparsed_path_sends_what_the_parsed_path_sends(chunks, ascii_only):
     """``StreamRewrite.raw`` on vLLM's compact bytes gives what ``chunk`` gives on
     the parsed payload, chunk by chunk, and leaves the same state behind."""
-    unparsed, parsed = StreamRewrite(False), StreamRewrite(False)
+    unparsed, parsed = StreamRewrite(), StreamRewrite()
     for payload in chunks:
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=ascii_only)
         fast = unparsed.raw(data.encode())
@@ -510,4 +565,133 @@ def test_the_unparsed_path_sends_what_the_parsed_path_sends(chunks, ascii_only):
     ],
 )
 def test_what_is_not_written_as_vllm_writes_a_piece_is_parsed(data):
-    assert StreamRewrite(False).raw(data) is None
+    assert StreamRewrite().raw(data) is None
+
+
+def continuous(index, completion, reasoning, delta=None, finish=None, **choice):
+    frame = chunk(delta if delta is not None else {}, finish, **choice)
+    frame["choices"][0]["index"] = index
+    frame["usage"] = {
+        "prompt_tokens": 5,
+        "completion_tokens": completion,
+        "total_tokens": 5 + completion,
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
+    }
+    return frame
+
+
+def test_each_of_several_choices_ends_with_its_own_usage():
+    """P0.16: each end frame carries its choice's counts (vLLM's continuous usage,
+    asked for and not passed on: the client did not ask for it, P1.15) and the
+    prompt's details from the summary."""
+    frames = [
+        continuous(0, 0, 0, {"role": "assistant", "content": ""}),
+        continuous(1, 0, 0, {"role": "assistant", "content": ""}),
+        continuous(0, 1, 0, {"content": "A"}),
+        continuous(1, 1, 0, {"content": "B"}),
+        continuous(1, 2, 0, {"content": "b"}, "stop"),
+        continuous(0, 3, 0, {"content": "a"}, "length"),
+        {**ENVELOPE, "choices": [], "usage": {**USAGE, "completion_tokens": 5}},
+    ]
+    out = run(frames, wants_usage=True, choices=2)
+    assert all("usage" not in f for f in out if f["choices"])
+    ends = {f["choices"][0]["index"]: f["choices"][0] for f in out
+            if f["choices"] and f["choices"][0]["finish_reason"]}  # fmt: skip
+    for index, completion in ((0, 3), (1, 2)):
+        assert ends[index]["usage"] == {
+            "prompt_tokens": 5,
+            "completion_tokens": completion,
+            "total_tokens": 5 + completion,
+            "completion_tokens_details": {"reasoning_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+    assert out[-1]["choices"] == []
+
+
+def test_continuous_usage_asked_for_rides_on_every_frame_with_the_cached_count():
+    """The Vendor Verifier's continuous reasoning usage check: every frame with a
+    choice has a top-level usage with ``prompt_tokens_details.cached_tokens`` (the
+    engine's first output told it), the boundary frame included, and the end
+    frame's own usage agrees with it."""
+    frames = [
+        continuous(0, 0, 0, {"role": "assistant", "content": ""}),
+        continuous(0, 1, 1, {"reasoning": "Hm"}),
+        continuous(0, 2, 1, {"content": "Ok"}, "stop"),
+        {**ENVELOPE, "choices": [], "usage": {**USAGE, "completion_tokens": 2,
+                                              "total_tokens": 7}},
+    ]  # fmt: skip
+    facts = EngineFacts(prompt_tokens=5, cached_tokens=3)
+    out = run(frames, wants_usage=True, facts=facts, continuous_usage=True)
+    with_choices = [f for f in out if f["choices"]]
+    assert [next(iter(f["choices"][0]["delta"])) if f["choices"][0]["delta"] else "end"
+            for f in with_choices] == [
+        "role", "reasoning", "reasoning_content", "content", "end"]  # fmt: skip
+    for frame in with_choices:
+        assert frame["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+    end = with_choices[-1]
+    assert (
+        end["usage"]["completion_tokens_details"]
+        == end["choices"][0]["usage"]["completion_tokens_details"]
+    )
+
+
+def test_internal_content_carries_the_token_ids_of_what_each_piece_shows():
+    """P0.5: the ids vLLM returned per step move into ``delta.internal_content``, on
+    the first piece that shows something; a step that showed nothing lends its ids
+    to the next; vLLM's own id fields go unless the client asked for them."""
+    first = {**FIRST, "prompt_token_ids": [1, 2]}
+    frames = [
+        first,
+        chunk({}, token_ids=[10]),
+        chunk({"content": "Hi"}, token_ids=[11]),
+        chunk({"content": "!"}, "stop", token_ids=[12, 13]),
+    ]
+    out = run(frames, internal_content=True)
+    assert "prompt_token_ids" not in out[0]
+    shown = [f["choices"][0] for f in out[1:]]
+    assert [c["delta"] for c in shown] == [
+        {"content": "Hi", "internal_content": {"token_ids": [10, 11]}},
+        {"content": "!", "internal_content": {"token_ids": [12, 13]}},
+        {},
+    ]
+    assert all("token_ids" not in c for c in shown)
+
+
+def test_a_streams_usage_headers_come_from_the_engines_first_output():
+    """P0.18: the response start is held until the first frame, by when vLLM has
+    read the engine's first output (the serving hook records it, ``facts.py``)."""
+    frames_app, _ = streaming_app(FRAMES, 100_000)
+
+    async def app(scope, receive, send):
+        engine_facts.record(12, 4)  # what the serving hook does
+        await frames_app(scope, receive, send)
+
+    start, _ = serve(app, "/v1/chat/completions", {"model": "k3", "stream": True})
+    headers = dict(start["headers"])
+    assert headers[PROMPT_TOKENS_HEADER] == b"12"
+    assert headers[CACHED_TOKENS_HEADER] == b"4"
+    # Without the hook nothing is known: no headers rather than wrong ones.
+    start, _ = serve(
+        frames_app, "/v1/chat/completions", {"model": "k3", "stream": True}
+    )
+    assert PROMPT_TOKENS_HEADER not in dict(start["headers"])
+    assert engine_facts.CURRENT.get() is None  # the request's facts went with it
+
+
+def test_a_whole_replys_usage_headers_come_from_its_usage():
+    usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10,
+             "prompt_tokens_details": {"cached_tokens": 8}}  # fmt: skip
+    reply = {"choices": [], "usage": usage}
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": json.dumps(reply).encode()})
+
+    start, _ = serve(app, "/v1/chat/completions", {"model": "k3"})
+    headers = dict(start["headers"])
+    assert (headers[PROMPT_TOKENS_HEADER], headers[CACHED_TOKENS_HEADER]) == (
+        b"9",
+        b"8",
+    )

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
+
+from vllm_k3_plugin.wire import facts as engine_facts
 
 RAW_ARGUMENTS_KEY = "_raw_arguments"
 _MARK = "_vllm_k3_plugin_hook"
@@ -69,14 +72,17 @@ def install() -> None:
     _hook_resolve_finish_reason()
     _hook_chat_completions_032()
     _hook_messages()
+    _hook_engine_facts()
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+    """``owner.name`` wrapped by ``make``, once however often this is called."""
     original = getattr(owner, name, None)
-    if original is None or getattr(original, _MARK, False):
+    marks = getattr(original, _MARK, frozenset())
+    if original is None or make.__name__ in marks:
         return
     wrapped = make(original)
-    setattr(wrapped, _MARK, True)
+    setattr(wrapped, _MARK, marks | {make.__name__})
     setattr(owner, name, wrapped)
 
 
@@ -157,6 +163,49 @@ def _stream_reply_reasons(original: Callable[..., Any]) -> Callable[..., Any]:
             yield chunk
 
     return chat_completion_stream_generator
+
+
+# -- the wire spec's engine facts (both versions) -------------------------------------
+
+
+def _hook_engine_facts() -> None:
+    from vllm.entrypoints.openai.chat_completion import serving
+
+    _wrap(
+        serving.OpenAIServingChat,
+        "chat_completion_stream_generator",
+        _recording_engine_facts,
+    )
+
+
+def _recording_engine_facts(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The stream's engine outputs pass through ``_first_output_recorded``, which
+    hands the first one's prompt and cached token counts to the wire spec's switch
+    (``wire/facts.py``; nothing is kept when the switch is off)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def chat_completion_stream_generator(self, *args, **kwargs):
+        if engine_facts.CURRENT.get() is not None:
+            bound = signature.bind(self, *args, **kwargs)
+            outputs = bound.arguments.get("result_generator")
+            if outputs is not None:
+                bound.arguments["result_generator"] = _first_output_recorded(outputs)
+                return original(*bound.args, **bound.kwargs)
+        return original(self, *args, **kwargs)
+
+    return chat_completion_stream_generator
+
+
+async def _first_output_recorded(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    first = True
+    async for output in outputs:
+        if first:
+            first = False
+            prompt = len(output.prompt_token_ids or ())
+            prompt += len(getattr(output, "encoder_prompt_token_ids", None) or ())
+            engine_facts.record(prompt, getattr(output, "num_cached_tokens", None))
+        yield output
 
 
 # -- /v1/messages ---------------------------------------------------------------------

@@ -3,18 +3,24 @@ deployment's ``/v1/chat/completions`` on Moonshot's wire spec (``spec.py`` says 
 changes). A pure ASGI middleware, standard library only: vLLM adds it outermost, so
 it sees the request body before vLLM parses it and every byte vLLM sends back. Any
 other path, method or status passes through untouched.
+
+The response also gets the prompt's usage headers (P0.18): a whole reply's from its
+body; a stream's from the engine's first output, which the plugin's serving hook
+records (``facts.py``), so the response start waits for the first frame.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
+from vllm_k3_plugin.wire import facts as engine_facts
 from vllm_k3_plugin.wire.spec import (
     CHAT_COMPLETIONS_PATH,
+    Asked,
     StreamRewrite,
-    history_calls,
     rewrite_body,
     rewrite_request,
 )
@@ -24,6 +30,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _DONE = b"[DONE]"
+# The prompt's token count and its prefix-cache hits, as headers (P0.18).
+PROMPT_TOKENS_HEADER = b"x-msh-usage-prompt-tokens"
+CACHED_TOKENS_HEADER = b"x-msh-usage-cached-tokens"
 
 
 class MoonshotWireSpec:
@@ -49,11 +58,21 @@ class MoonshotWireSpec:
             # Not a JSON object: vLLM answers it (with its own error).
             await self.app(scope, _replaying(raw, receive), send)
             return
-        upstream, wants_usage = rewrite_request(request)
+        upstream, asked = rewrite_request(request)
+        named = _header(scope, b"x-request-id")
+        if named:
+            # vLLM names the response after the header (the error frame's stand-in
+            # end frames need the name before vLLM has sent it).
+            asked = replace(asked, response_id=f"chatcmpl-{named.decode('latin-1')}")
         body = _json_bytes(upstream)
         scope = {**scope, "headers": _with_length(scope.get("headers", []), len(body))}
-        rewriting = _Rewriting(send, wants_usage, history_calls(request))
-        await self.app(scope, _replaying(body, receive), rewriting.send)
+        facts = engine_facts.EngineFacts()
+        rewriting = _Rewriting(send, asked, facts)
+        token = engine_facts.CURRENT.set(facts)
+        try:
+            await self.app(scope, _replaying(body, receive), rewriting.send)
+        finally:
+            engine_facts.CURRENT.reset(token)
 
 
 async def _read_body(receive: Receive) -> bytes | None:
@@ -102,10 +121,12 @@ class _Rewriting:
     """The response side: server-sent events rewritten frame by frame, a JSON body
     rewritten whole; anything else, or an error status, as it comes."""
 
-    def __init__(self, send: Send, wants_usage: bool, history: int) -> None:
+    def __init__(
+        self, send: Send, asked: Asked, facts: engine_facts.EngineFacts
+    ) -> None:
         self._send = send
-        self._wants_usage = wants_usage
-        self._history = history
+        self._asked = asked
+        self._facts = facts
         self._mode: str | None = None
         self._start: Message | None = None
         self._buffer = b""
@@ -114,12 +135,14 @@ class _Rewriting:
     async def send(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
-            content_type = _header(message, b"content-type")
+            content_type = _header(message, b"content-type").lower()
             if message.get("status") != 200:
                 self._mode = "pass"
             elif content_type.startswith(b"text/event-stream"):
                 self._mode = "events"
-                self._stream = StreamRewrite(self._wants_usage, self._history)
+                self._stream = StreamRewrite(self._asked, self._facts)
+                self._start = message
+                return  # sent with the first frame, when the usage headers are known
             elif content_type.startswith(b"application/json"):
                 self._mode = "json"
                 self._start = message
@@ -145,10 +168,12 @@ class _Rewriting:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
-        if isinstance(parsed, dict):
-            body = _json_bytes(rewrite_body(parsed, self._history))
         start = dict(self._start or {})
-        start["headers"] = _with_length(start.get("headers", []), len(body))
+        headers = start.get("headers", [])
+        if isinstance(parsed, dict):
+            body = _json_bytes(rewrite_body(parsed, self._asked.history))
+            headers = _with_usage(headers, parsed.get("usage"))
+        start["headers"] = _with_length(headers, len(body))
         await self._send(start)
         await self._send({"type": "http.response.body", "body": body})
 
@@ -163,6 +188,11 @@ class _Rewriting:
         if not more:
             out += b"".join(_data(frame) for frame in self._stream.done())
         if out or not more:
+            if self._start is not None:
+                start, self._start = self._start, None
+                if self._facts.known:
+                    start = {**start, "headers": _with_facts(start, self._facts)}
+                await self._send(start)
             await self._send(
                 {"type": "http.response.body", "body": out, "more_body": more}
             )
@@ -193,8 +223,29 @@ def _data(frame: dict[str, Any]) -> bytes:
     return b"data: " + _json_bytes(frame, (",", ":")) + b"\n\n"
 
 
+def _with_usage(headers, usage: Any) -> list:
+    """The usage headers of a whole reply, from its usage (cached: 0 if unsaid)."""
+    if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens"), int):
+        return headers
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return [
+        *headers,
+        (PROMPT_TOKENS_HEADER, str(usage["prompt_tokens"]).encode()),
+        (CACHED_TOKENS_HEADER, str(cached if isinstance(cached, int) else 0).encode()),
+    ]
+
+
+def _with_facts(start: Message, facts: engine_facts.EngineFacts) -> list:
+    return [
+        *start.get("headers", []),
+        (PROMPT_TOKENS_HEADER, str(facts.prompt_tokens).encode()),
+        (CACHED_TOKENS_HEADER, str(facts.cached_tokens).encode()),
+    ]
+
+
 def _header(message: Message, name: bytes) -> bytes:
     for key, value in message.get("headers", []):
         if key.lower() == name:
-            return value.lower()
+            return value
     return b""

@@ -15,11 +15,18 @@ What the rewrite gives (``docs/moonshot_stream_spec.md`` lists the spec's items)
   (P1.10, P1.12);
 - the end frame carries ``choices[0].usage`` (P0.4): the request asks vLLM for the
   usage summary, the end frame is held until the summary arrives and takes its
-  usage, and the summary reaches the client only if it asked for it (P2.3).
+  usage, and the summary reaches the client only if it asked for it (P2.3); with
+  several choices (P0.16) each takes its own counts from vLLM's continuous usage,
+  asked for then and passed on only to a client that asked for it (P1.15);
+- continuous usage carries the prompt's cached tokens (``facts.py``);
+- ``include_internal_content`` (P0.5): the token ids vLLM returns per step go into
+  ``delta.internal_content.token_ids`` of the first piece they show;
+- an error frame mid-stream (P1.16) is not sent: each choice still open ends with
+  ``server_interrupted``.
 
 A frame inserted or split off copies the chunk's ``id``, ``object``, ``created`` and
 ``model`` and sets ``finish_reason`` to ``null``. Frames without choices other than
-the summary, and errors, pass through unchanged.
+the summary and errors pass through unchanged.
 """
 
 from __future__ import annotations
@@ -28,12 +35,16 @@ import copy
 import re
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from vllm_k3_plugin.wire.facts import EngineFacts
 
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 # The order a split delta's parts go out in.
 _KINDS = ("reasoning", "content", "tool_calls")
+# The keys whose non-empty value shows the client something (P0.5).
+_SHOWN = ("reasoning", "content", "tool_calls")
 _ENVELOPE = ("id", "object", "created", "model")
 _PER_TOKEN = ("logprobs", "token_ids")
 BOUNDARY = {"reasoning_content": ""}
@@ -86,24 +97,70 @@ def history_calls(body: dict[str, Any]) -> int:
     return count
 
 
-def rewrite_request(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The request vLLM gets, and whether the client asked for the usage summary
-    (a streamed request always asks vLLM for it: the end frame needs the usage)."""
+@dataclass(frozen=True)
+class Asked:
+    """What the client's request asked of a streamed response."""
+
+    usage: bool = False
+    """``stream_options.include_usage``: the summary frame."""
+    continuous_usage: bool = False
+    """``continuous_usage_stats`` (with ``include_usage``): usage on every frame."""
+    internal_content: bool = False
+    """``include_internal_content``: each piece's token ids in its delta (P0.5)."""
+    token_ids: bool = False
+    """``return_token_ids``: vLLM's own token id fields."""
+    choices: int = 1
+    """``n``."""
+    history: int = 0
+    """Tool calls the request's past turns made: the spec numbers ids from there."""
+    model: Any = None
+    response_id: str | None = None
+    """What vLLM names the response (``chatcmpl-`` and the request id)."""
+
+    @property
+    def per_choice_usage(self) -> bool:
+        """vLLM gives usage per choice only on continuous frames: asked for them
+        when the client did, or when several choices each need their own."""
+        return self.continuous_usage or self.choices > 1
+
+
+def rewrite_request(body: dict[str, Any]) -> tuple[dict[str, Any], Asked]:
+    """The request vLLM gets, and what the client asked of the response (a streamed
+    request always asks vLLM for the usage summary: the end frame needs it)."""
     if "request_id" not in body:
         # vLLM's response id is ``chatcmpl-`` and this (an X-Request-Id header wins).
         body = {**body, "request_id": object_id()}
+    n = body.get("n")
+    asked = Asked(
+        token_ids=body.get("return_token_ids") is True,
+        choices=n if isinstance(n, int) and n > 1 else 1,
+        history=history_calls(body),
+        model=body.get("model"),
+        response_id=f"chatcmpl-{body['request_id']}",
+    )
     if not body.get("stream"):
-        return body, False
+        return body, asked
     options = body.get("stream_options", {})
     if not isinstance(options, dict):
-        return body, False  # vLLM refuses it, as it would without the switch
-    wanted = bool(options.get("include_usage"))
-    options = {**options, "include_usage": True}
-    if not wanted:
+        return body, asked  # vLLM refuses it, as it would without the switch
+    asked = replace(
+        asked,
+        usage=bool(options.get("include_usage")),
         # vLLM reads continuous usage only together with the summary: a client
         # that asked for the one without the other gets neither, as before.
-        options["continuous_usage_stats"] = False
-    return {**body, "stream_options": options}, wanted
+        continuous_usage=bool(options.get("include_usage"))
+        and bool(options.get("continuous_usage_stats")),
+        internal_content=bool(options.get("include_internal_content")),
+    )
+    options = {
+        **options,
+        "include_usage": True,
+        "continuous_usage_stats": asked.per_choice_usage,
+    }
+    body = {**body, "stream_options": options}
+    if asked.internal_content:
+        body["return_token_ids"] = True
+    return body, asked
 
 
 def rewrite_body(body: dict[str, Any], history: int = 0) -> dict[str, Any]:
@@ -123,11 +180,21 @@ def rewrite_body(body: dict[str, Any], history: int = 0) -> dict[str, Any]:
     return body
 
 
+INTERRUPTED = "server_interrupted"
+"""The finish reason of a choice an error ended mid-stream (P1.16: the spec's
+extended reasons; vLLM's error frame is not sent)."""
+
+
 @dataclass
 class _Choice:
     reasoning_sent: bool = False
     boundary_sent: bool = False
+    ended: bool = False
     held_end: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    """The choice's last continuous usage."""
+    pending_ids: list[Any] = field(default_factory=list)
+    """Token ids of steps that showed nothing yet (P0.5)."""
 
     @property
     def boundary_due(self) -> bool:
@@ -148,34 +215,24 @@ class StreamRewrite:
     returns the payloads to send in its place; ``done`` is called at ``[DONE]``
     (or the stream's end) and returns what is still held."""
 
-    client_wants_usage: bool
-    history: int = 0
-    """Tool calls the request's past turns made: the spec numbers ids from there."""
+    asked: Asked = field(default_factory=Asked)
+    facts: EngineFacts = field(default_factory=EngineFacts)
+    """Filled by the serving hook before the first frame (``facts.py``)."""
     _choices: dict[int, _Choice] = field(default_factory=dict)
+    _envelope: dict[str, Any] | None = None
 
-    def chunk(self, payload: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """The payloads to send for ``payload``, or ``None``: send it as it came."""
-        choices = payload.get("choices")
-        if not isinstance(choices, list):
-            # An error or anything else: after what is held, which it ends.
-            held = self.done()
-            return [*held, payload] if held else None
-        if not choices:
-            return self._summary(payload)
-        if len(choices) == 1 and isinstance(choices[0], dict):
-            unchanged = self._as_it_comes(choices[0])
-            if unchanged is not None:
-                return None if unchanged else [payload]
-        out: list[dict[str, Any]] = []
-        for choice in choices:
-            out += self._choice(payload, choice)
-        return out
+    @property
+    def _plain(self) -> bool:
+        """Frames carry no usage or token ids the rewrite has to move."""
+        return not (self.asked.per_choice_usage or self.asked.internal_content)
 
     def raw(self, data: bytes) -> bytes | None:
         """``chunk`` on a ``data:`` payload still unparsed, for the chunks vLLM sends
         most (one reasoning or content piece; see ``_ONE_PIECE``): the bytes to send,
         or ``None``: parse it and call ``chunk``. Same result as ``chunk`` would give,
         without reading or writing the JSON."""
+        if not self._plain or self._envelope is None:
+            return None
         found = _ONE_PIECE.fullmatch(data)
         if found is None:
             return None
@@ -186,6 +243,26 @@ class StreamRewrite:
             end = found.end(3)
             return data[:end] + b',"reasoning_content":' + found.group(3) + data[end:]
         return None if state.boundary_due else data
+
+    def chunk(self, payload: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The payloads to send for ``payload``, or ``None``: send it as it came."""
+        choices = payload.get("choices")
+        if not isinstance(choices, list):
+            return self._not_a_chunk(payload)
+        if self._envelope is None:
+            self._envelope = {k: payload[k] for k in _ENVELOPE if k in payload}
+        if not choices:
+            return self._summary(payload)
+        if self._plain and len(choices) == 1 and isinstance(choices[0], dict):
+            unchanged = self._as_it_comes(choices[0])
+            if unchanged is not None:
+                return None if unchanged else [payload]
+        usage = payload.get("usage")
+        out: list[dict[str, Any]] = []
+        for choice in choices:
+            if isinstance(choice, dict):
+                out += self._choice(payload, choice, usage)
+        return out
 
     def _as_it_comes(self, choice: dict[str, Any]) -> bool | None:
         """Most frames: one piece of one kind, nothing to split or insert. ``True``:
@@ -216,13 +293,23 @@ class StreamRewrite:
 
     # -- per choice -------------------------------------------------------------------
 
-    def _choice(self, payload, choice) -> list[dict[str, Any]]:
-        state = self._choices.setdefault(choice.get("index", 0), _Choice())
+    def _choice(self, payload, choice, usage) -> list[dict[str, Any]]:
+        index = choice.get("index", 0)
+        state = self._choices.setdefault(index, _Choice())
+        if isinstance(usage, dict):
+            state.usage = usage
+        envelope = self._envelope_of(payload, usage)
         delta = choice.get("delta")
         if not isinstance(delta, dict) or "role" in delta:
-            return [_frame(payload, choice)]  # the first frame, or not a delta
+            # The first frame, or not a delta.
+            return [_frame(envelope, self._per_token_kept(choice))]
         bare = _bare(choice)
-        per_token = {key: choice[key] for key in _PER_TOKEN if key in choice}
+        per_token = self._per_token_kept(
+            {key: choice[key] for key in _PER_TOKEN if key in choice}
+        )
+        ids = choice.get("token_ids") if self.asked.internal_content else None
+        if isinstance(ids, list):
+            state.pending_ids += ids
         deltas: list[dict[str, Any]] = []
         for part in _parts(delta):
             if "reasoning" in part:
@@ -232,7 +319,7 @@ class StreamRewrite:
                 deltas += state.boundary()
             if "tool_calls" in part and isinstance(part["tool_calls"], list):
                 others = {k: v for k, v in part.items() if k != "tool_calls"}
-                calls = _call_pieces(part["tool_calls"], self.history)
+                calls = _call_pieces(part["tool_calls"], self.asked.history)
                 deltas += [{**others, "tool_calls": [calls[0]]}]
                 deltas += [{"tool_calls": [call]} for call in calls[1:]]
                 continue
@@ -240,6 +327,12 @@ class StreamRewrite:
         finish = choice.get("finish_reason")
         if finish is not None:
             deltas += state.boundary()
+        if self.asked.internal_content:
+            for part in deltas:
+                if any(part.get(kind) for kind in _SHOWN):
+                    # The steps' ids ride on the first piece they showed.
+                    part["internal_content"] = {"token_ids": state.pending_ids}
+                    state.pending_ids = []
         if not deltas and any(per_token.values()):
             deltas.append({})  # logprobs or token ids with nothing to show
         out = []
@@ -248,12 +341,34 @@ class StreamRewrite:
             extra = per_token if number == len(deltas) - 1 else {}
             piece = {**bare, **extra, "delta": part, "finish_reason": None}
             piece.pop("stop_reason", None)
-            out.append(_frame(payload, piece))
+            out.append(_frame(envelope, piece))
         if finish is not None:
             # Held until the usage summary follows (``rewrite_request`` asks for
             # it), or the stream ends.
-            state.held_end = _frame(payload, {**bare, "delta": {}})
+            state.ended = True
+            state.held_end = _frame(envelope, {**bare, "delta": {}})
         return out
+
+    def _envelope_of(self, payload, usage) -> dict[str, Any]:
+        """The payload without its choices; its continuous usage only if the
+        client asked for it, then with the prompt's cached tokens (P0.2)."""
+        envelope = {k: v for k, v in payload.items() if k not in ("choices", "usage")}
+        if "prompt_token_ids" in envelope and not self.asked.token_ids:
+            del envelope["prompt_token_ids"]
+        if isinstance(usage, dict) and self.asked.continuous_usage:
+            envelope["usage"] = self._with_cached(usage)
+        return envelope
+
+    def _with_cached(self, usage: dict[str, Any]) -> dict[str, Any]:
+        if "prompt_tokens_details" in usage or not self.facts.known:
+            return usage
+        cached = {"cached_tokens": self.facts.cached_tokens}
+        return {**usage, "prompt_tokens_details": cached}
+
+    def _per_token_kept(self, fields: dict[str, Any]) -> dict[str, Any]:
+        if self.asked.token_ids or "token_ids" not in fields:
+            return fields
+        return {k: v for k, v in fields.items() if k != "token_ids"}
 
     def _summary(self, payload) -> list[dict[str, Any]]:
         usage = payload.get("usage")
@@ -261,11 +376,57 @@ class StreamRewrite:
         for state in self._choices.values():
             if state.held_end is not None:
                 if isinstance(usage, dict):
-                    state.held_end["choices"][0]["usage"] = copy.deepcopy(usage)
+                    end = state.held_end
+                    end["choices"][0]["usage"] = self._choice_usage(state, usage)
                 out.append(state.held_end)
                 state.held_end = None
-        if self.client_wants_usage:
+        if self.asked.usage:
             out.append(payload)
+        return out
+
+    def _choice_usage(self, state: _Choice, summary: dict[str, Any]) -> dict:
+        """The end frame's usage: the choice's own counts where vLLM gave them (its
+        last continuous usage) with the summary's prompt details; else the
+        summary's (one choice, no continuous usage)."""
+        if not isinstance(state.usage, dict):
+            return copy.deepcopy(summary)
+        usage = copy.deepcopy(state.usage)
+        usage["prompt_tokens_details"] = copy.deepcopy(
+            summary.get("prompt_tokens_details")
+        )
+        return {k: v for k, v in usage.items() if v is not None}
+
+    def _not_a_chunk(self, payload) -> list[dict[str, Any]] | None:
+        """An error frame ends every choice still open with ``INTERRUPTED`` and is
+        not sent (P1.16); anything else goes on after what is held."""
+        if "error" not in payload:
+            held = self.done()
+            return [*held, payload] if held else None
+        envelope = self._envelope or {
+            "id": self.asked.response_id or f"chatcmpl-{object_id()}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.asked.model if isinstance(self.asked.model, str) else "",
+        }
+        out = self.done()
+        for index in sorted(set(range(self.asked.choices)) | set(self._choices)):
+            state = self._choices.get(index)
+            if state is None:
+                state = self._choices[index] = _Choice()
+                deltas = [{"role": "assistant", "content": ""}]
+            elif state.ended:
+                continue
+            else:
+                deltas = state.boundary()
+            base = {"index": index, "logprobs": None}
+            for part in deltas:
+                piece = {**base, "delta": part, "finish_reason": None}
+                out.append(_frame(envelope, piece))
+            end = {**base, "delta": {}, "finish_reason": INTERRUPTED}
+            if isinstance(state.usage, dict):
+                end["usage"] = self._with_cached(state.usage)
+            state.ended = True
+            out.append(_frame(envelope, end))
         return out
 
 
@@ -334,14 +495,13 @@ def _bare(choice: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _frame(payload: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
-    frame = {key: payload[key] for key in _ENVELOPE if key in payload}
+def _frame(envelope: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
+    """A chunk of ``choice`` in ``envelope`` (the payload's fields but choices and
+    usage, and the usage to send): the envelope's identity fields first, as vLLM
+    writes them."""
+    frame = {key: envelope[key] for key in _ENVELOPE if key in envelope}
     frame.update(
-        {
-            key: value
-            for key, value in payload.items()
-            if key not in (*_ENVELOPE, "choices")
-        }
+        {key: value for key, value in envelope.items() if key not in _ENVELOPE}
     )
     frame["choices"] = [choice]
     return frame
