@@ -126,6 +126,7 @@ def _read(frames: list[dict]) -> dict:
                 read["reasoning"] += text
         for call in delta.get("tool_calls") or ():
             if call["index"] not in started:  # P0.13, P2.2
+                assert call["index"] == len(started)  # P0.14, P1.9: 0, 1, ...
                 started.add(call["index"])
                 name = call["function"]["name"]
                 assert (
@@ -443,3 +444,31 @@ def test_a_reasoning_effort_k3_has_not_is_a_clear_400(wire_server):
     response = httpx.post(wire_server + "/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 400
     assert "low, high, max" in response.json()["error"]["message"]
+
+
+def test_a_stop_string_ends_the_reply_before_it(wire_server):
+    """P1.1: the text stops before the stop string, and the finish is ``stop``."""
+    ids = output_ids("hello STOPWORD world" + vocab.RESPONSE_END, stop=True)
+    body = {**_body("thinking-off", True), "stop": ["STOPWORD"],
+            "vllm_xargs": {"k3_force_ids": ids}}  # fmt: skip
+    read = _read(_frames(wire_server, body))
+    assert read["content"] == "hello " and read["finish"] == "stop"
+
+
+def test_logprobs_go_on_the_frames_that_show_their_tokens(wire_server):
+    """P1.17: no logprobs on the first frame; the others carry ``logprobs.content``
+    entries with ``bytes`` and two ``top_logprobs`` each; none without asking."""
+    frames = _frames(
+        wire_server, _body("thinking-off", True, logprobs=True, top_logprobs=2)
+    )
+    choices = [f["choices"][0] for f in _choice_frames(frames)]
+    assert choices[0].get("logprobs") in (None, {})
+    entries = [
+        e for c in choices[1:] for e in (c.get("logprobs") or {}).get("content") or ()
+    ]
+    assert entries
+    for entry in entries:
+        assert isinstance(entry["token"], str) and "bytes" in entry
+        assert len(entry["top_logprobs"]) == 2
+    plain = _frames(wire_server, _body("thinking-off", True))
+    assert all(f["choices"][0].get("logprobs") is None for f in _choice_frames(plain))
