@@ -1,7 +1,9 @@
 """What Moonshot's wire-spec switch costs a streamed reply, per frame: vLLM-shaped
 server-sent events (a first frame, a thought, a reply, the end frame, the usage
 summary) sent one event a message through ``MoonshotWireSpec``, beside the same
-events through a middleware that passes them on, in one process, the collector off.
+events through a middleware that passes them on, in one process (nothing sent is
+kept, so the collector runs as in a server): a plain request, and one that asked for
+continuous usage (every frame carries usage: each is parsed and written again).
 
     python benchmarks/bench_wire.py [--tokens 2000 20000]
 
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import time
 import timeit
@@ -26,23 +27,33 @@ ENVELOPE = {"id": "chatcmpl-0123456789abcdef", "object": "chat.completion.chunk"
             "created": 1765000000, "model": "moonshotai/Kimi-K3"}  # fmt: skip
 
 
-def events(tokens: int) -> list[bytes]:
-    def frame(delta, finish=None):
+def events(tokens: int, continuous: bool = False) -> list[bytes]:
+    """A thought and a reply as vLLM writes the kimi_k3 parser's deltas (one field
+    a delta); with ``continuous``, vLLM's usage on every frame."""
+
+    def frame(delta, finish=None, done=0):
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         if finish is None:
             choice["token_ids"] = None  # as vLLM 0.32 writes a middle chunk
-        return {**ENVELOPE, "choices": [choice]}
+        chunk = {**ENVELOPE, "choices": [choice]}
+        if continuous:
+            chunk["usage"] = usage(done, min(done, tokens // 2))
+        return chunk
+
+    def usage(done, reasoning):
+        details = {"reasoning_tokens": reasoning}
+        return {
+            "prompt_tokens": 12,
+            "completion_tokens": done,
+            "total_tokens": 12 + done,
+            "completion_tokens_details": details,
+        }
 
     frames = [frame({"role": "assistant", "content": ""})]
-    frames += [frame({"reasoning": " thought"}) for _ in range(tokens // 2)]
-    frames += [frame({"content": " reply"}) for _ in range(tokens // 2)]
-    frames.append(frame({}, "stop"))
-    usage = {
-        "prompt_tokens": 12,
-        "completion_tokens": tokens,
-        "total_tokens": tokens + 12,
-    }
-    frames.append({**ENVELOPE, "choices": [], "usage": usage})
+    frames += [frame({"reasoning": " thought"}, done=n) for n in range(tokens // 2)]
+    frames += [frame({"content": " reply"}, done=n) for n in range(tokens // 2, tokens)]
+    frames.append(frame({}, "stop", done=tokens))
+    frames.append({**ENVELOPE, "choices": [], "usage": usage(tokens, tokens // 2)})
     encoded = [
         b"data: " + json.dumps(f, separators=(",", ":")).encode() + b"\n\n"
         for f in frames
@@ -70,14 +81,15 @@ class PassThrough:
         await self.app(scope, receive, send)
 
 
-def seconds(middleware, data: list[bytes]) -> float:
-    body = json.dumps({"model": "k3", "stream": True, "messages": []}).encode()
+def seconds(middleware, data: list[bytes], options: dict) -> float:
+    request = {"model": "k3", "stream": True, "messages": [], "stream_options": options}
+    body = json.dumps(request).encode()
 
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
 
     async def send(message):
-        return None
+        return None  # nothing sent is kept: the collector has nothing to chase
 
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
              "headers": []}  # fmt: skip
@@ -118,20 +130,27 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2000, 20000])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    print("| tokens | pass-through µs/frame | switch µs/frame | added µs/frame |")
-    print("|---:|---:|---:|---:|")
-    gc.disable()
-    for tokens in args.tokens:
-        data = events(tokens)
-        best = {PassThrough: float("inf"), MoonshotWireSpec: float("inf")}
-        for _ in range(args.repeats):
-            for middleware in best:
-                best[middleware] = min(best[middleware], seconds(middleware, data))
-        per = {m: s / len(data) * 1e6 for m, s in best.items()}
-        print(
-            f"| {tokens} | {per[PassThrough]:.2f} | {per[MoonshotWireSpec]:.2f} "
-            f"| {per[MoonshotWireSpec] - per[PassThrough]:.2f} |"
-        )
+    print("| request | tokens | pass-through µs/frame | switch µs/frame "
+          "| added µs/frame |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
+    configurations = {
+        "plain": {},
+        "continuous usage": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    for name, options in configurations.items():
+        for tokens in args.tokens:
+            data = events(tokens, continuous=bool(options))
+            best = {PassThrough: float("inf"), MoonshotWireSpec: float("inf")}
+            for _ in range(args.repeats):
+                for middleware in best:
+                    elapsed = seconds(middleware, data, options)
+                    best[middleware] = min(best[middleware], elapsed)
+            per = {m: s / len(data) * 1e6 for m, s in best.items()}
+            print(
+                f"| {name} | {tokens} | {per[PassThrough]:.2f} "
+                f"| {per[MoonshotWireSpec]:.2f} "
+                f"| {per[MoonshotWireSpec] - per[PassThrough]:.2f} |"
+            )
     vllm_chunk = vllm_chunk_seconds()
     if vllm_chunk is None:
         print("\nvLLM is not installed here: no figure for its own chunk.")

@@ -276,3 +276,31 @@ def test_parser_built_without_template_arguments(hf_tokenizer):
             reasoning += delta.reasoning or ""
             content += delta.content or ""
     assert (reasoning, content) == ("Hmm.", "Hi.")
+
+
+@pytest.mark.parametrize("shape", ["think-then-reply", "tools-in-think"])
+def test_a_streamed_delta_carries_only_the_fields_it_has(hf_tokenizer, shape):
+    """vLLM writes each chunk with ``exclude_unset``: a field the parser set to
+    ``None`` would go out as ``null`` (one more key a frame, and a frame Moonshot's
+    spec reads as two kinds)."""
+    from vllm_k3_plugin.tools.shapes import SHAPES, TOOLS, output_ids
+
+    output, thinking, _ = SHAPES[shape]
+    ids = output_ids(output, stop=True)
+    request = _request(stream=True, tools=TOOLS)
+    parser = compare.new_parser(_parser_cls(), hf_tokenizer, request, thinking)
+    prompt = _prompt(hf_tokenizer, thinking)
+    texts = compare.delta_texts(hf_tokenizer, ids)
+    sent = 0
+    for step, (token, text) in enumerate(zip(ids, texts)):
+        delta = parser.parse_delta(
+            text, [token], request, prompt, finished=step == len(ids) - 1
+        )
+        if delta is None:
+            continue
+        written = delta.model_dump(exclude_unset=True)
+        assert written and all(
+            value not in (None, "", []) for value in written.values()
+        )
+        sent += 1
+    assert sent > 0

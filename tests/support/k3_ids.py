@@ -72,7 +72,9 @@ _ATOMS = (
     vocab.SEP,
     vocab.END_OF_MSG,
 )
-_SHIELDS = {atom: chr(0xE000 + i) for i, atom in enumerate(_ATOMS)}
+# Lone low surrogates: no generated or decoded text holds one (private-use
+# characters, which it may hold, came back as atoms).
+_SHIELDS = {atom: chr(0xDC00 + i) for i, atom in enumerate(_ATOMS)}
 
 
 def _shield(value):

@@ -469,7 +469,8 @@ def test_a_lone_surrogate_in_the_request_stays_escaped():
     assert events(data)[-1] == "[DONE]"
 
 
-def test_crlf_framed_events_are_read_as_events():
+@pytest.mark.parametrize("cut", [1, 3, 7, 9, 11, 100_000])
+def test_crlf_framed_events_are_read_as_events_however_they_are_cut(cut):
     frames = [FIRST, chunk({"reasoning": "r"}), chunk({"content": "c"}, "stop")]
 
     async def app(scope, receive, send):
@@ -479,9 +480,13 @@ def test_crlf_framed_events_are_read_as_events():
             {"type": "http.response.start", "status": 200, "headers": [events_type]}
         )
         body = sse(frames).replace(b"\n", b"\r\n")
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        for at in range(0, len(body), cut):
+            piece = body[at : at + cut]
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     _, data = serve(app, "/v1/chat/completions", {"model": "k3", "stream": True})
+    assert b"\r" not in data
     assert events(data)[:-1] == run(frames)
 
 
@@ -636,25 +641,56 @@ def test_continuous_usage_asked_for_rides_on_every_frame_with_the_cached_count()
 
 
 def test_internal_content_carries_the_token_ids_of_what_each_piece_shows():
-    """P0.5: the ids vLLM returned per step move into ``delta.internal_content``, on
-    the first piece that shows something; a step that showed nothing lends its ids
-    to the next; vLLM's own id fields go unless the client asked for them."""
+    """P0.5: the ids vLLM returned per step move into ``delta.internal_content``; a
+    step that showed nothing lends its ids to the next piece; a step split into
+    several pieces spreads its ids over them, none going without; vLLM's own id
+    fields go unless the client asked for them."""
     first = {**FIRST, "prompt_token_ids": [1, 2]}
     frames = [
         first,
         chunk({}, token_ids=[10]),
         chunk({"content": "Hi"}, token_ids=[11]),
-        chunk({"content": "!"}, "stop", token_ids=[12, 13]),
+        chunk({"reasoning": "r", "content": "!"}, token_ids=[12, 13, 14]),
+        chunk({"reasoning": "s", "content": "?"}, "stop", token_ids=[15]),
     ]
     out = run(frames, internal_content=True)
     assert "prompt_token_ids" not in out[0]
     shown = [f["choices"][0] for f in out[1:]]
-    assert [c["delta"] for c in shown] == [
-        {"content": "Hi", "internal_content": {"token_ids": [10, 11]}},
-        {"content": "!", "internal_content": {"token_ids": [12, 13]}},
-        {},
+    assert [c["delta"].get("internal_content") for c in shown] == [
+        {"token_ids": [10, 11]},
+        {"token_ids": [12]},
+        None,  # the boundary shows nothing
+        {"token_ids": [13, 14]},
+        {"token_ids": [15]},
+        {"token_ids": [15]},  # one token, two pieces
+        None,  # the end frame
     ]
     assert all("token_ids" not in c for c in shown)
+
+
+def test_request_flags_are_read_as_vllm_reads_them():
+    """vLLM's pydantic models read ``"true"``, ``1``, ``2.0`` and ``"2"``; a null
+    ``stream_options`` is no options."""
+    options = {"include_usage": "false", "include_internal_content": 1}
+    body = {"model": "k3", "messages": [], "stream": "true", "n": "2",
+            "stream_options": options}  # fmt: skip
+    upstream, asked = rewrite_request(body)
+    assert asked.choices == 2 and not asked.usage and asked.internal_content
+    assert upstream["stream_options"]["include_usage"] is True
+    _, asked = rewrite_request({**body, "n": 2.0, "stream_options": None})
+    assert asked.choices == 2
+    upstream, _ = rewrite_request({**body, "stream": "false"})
+    assert (
+        "stream_options" not in upstream
+        or upstream["stream_options"] == (body["stream_options"])
+    )
+
+
+def test_invalid_utf8_is_left_to_the_parsed_path():
+    rewrite = StreamRewrite()
+    rewrite.chunk(json.loads(json.dumps(FIRST)))
+    data = b'{"id":"a","choices":[{"index":0,"delta":{"reasoning":"\xff"}}]}'
+    assert rewrite.raw(data) is None
 
 
 def test_a_streams_usage_headers_come_from_the_engines_first_output():

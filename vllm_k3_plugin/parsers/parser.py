@@ -40,6 +40,7 @@ from vllm_k3_plugin.format.reasoning import (
     collect,
     split_events,
 )
+from vllm_k3_plugin.parsers.deltas import delta_message
 from vllm_k3_plugin.parsers.reasoning_parser import K3ReasoningParser
 from vllm_k3_plugin.parsers.request_state import (
     model_stopped,
@@ -290,13 +291,7 @@ class K3Parser(DelegatingParser):
             )
         if not _reasoning_wanted(request):
             reasoning = ""
-        if not (reasoning or content or tool_calls):
-            return None
-        # ``model_construct``: the fields are built here and valid; pydantic validation
-        # of every per-token object would cost more than reading the token.
-        return DeltaMessage.model_construct(
-            reasoning=reasoning or None, content=content or None, tool_calls=tool_calls
-        )
+        return delta_message(reasoning, content, tool_calls)
 
     def _read_events(
         self, stream: _Stream, events: list[Any], request: Any

@@ -32,6 +32,7 @@ from vllm_k3_plugin.format.reasoning import (
     collect,
     read_whole,
 )
+from vllm_k3_plugin.parsers.deltas import delta_message
 from vllm_k3_plugin.parsers.request_state import start_channel, thinking_requested
 
 _ATOM_TOKENS: dict[int, tuple[Any, marked.AtomTokens]] = {}
@@ -153,8 +154,4 @@ class K3ReasoningParser(ReasoningParser):
         if self._reader is None:
             self._reader = ReasoningReader(start=self.start(), policy=self.policy)
         reading = collect(self._reader.feed(delta_text), tools_as_content=True)
-        if not reading.reasoning and not reading.content:
-            return None
-        return DeltaMessage.model_construct(
-            reasoning=reading.reasoning or None, content=reading.content or None
-        )
+        return delta_message(reading.reasoning, reading.content)

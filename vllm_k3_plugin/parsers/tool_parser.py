@@ -53,6 +53,7 @@ from vllm_k3_plugin.format.reasoning import (
 from vllm_k3_plugin.format.tools import (
     ToolCall as ReadCall,
 )
+from vllm_k3_plugin.parsers.deltas import delta_message
 
 logger = init_logger("vllm.k3_plugin.tool_parser")
 
@@ -256,6 +257,4 @@ class K3ToolParser(KimiK3ToolParser):
             event.text for event in events if type(event) in (Reasoning, Content)
         )
         calls = self._bare_calls.deltas(events)
-        if not (content or calls):
-            return None
-        return DeltaMessage.model_construct(content=content or None, tool_calls=calls)
+        return delta_message(content=content, tool_calls=calls)

@@ -178,9 +178,11 @@ class _Rewriting:
         await self._send({"type": "http.response.body", "body": body})
 
     async def _send_events(self, data: bytes, more: bool) -> None:
+        data = self._buffer + data
         if b"\r" in data:
+            # CRLF framing, a pair possibly cut between two messages.
             data = data.replace(b"\r\n", b"\n")
-        *events, self._buffer = (self._buffer + data).split(b"\n\n")
+        *events, self._buffer = data.split(b"\n\n")
         if not more and self._buffer.strip():
             events.append(self._buffer)
             self._buffer = b""

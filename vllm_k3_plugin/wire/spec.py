@@ -130,27 +130,30 @@ def rewrite_request(body: dict[str, Any]) -> tuple[dict[str, Any], Asked]:
     if "request_id" not in body:
         # vLLM's response id is ``chatcmpl-`` and this (an X-Request-Id header wins).
         body = {**body, "request_id": object_id()}
-    n = body.get("n")
+    n = _lax_int(body.get("n"))
     asked = Asked(
-        token_ids=body.get("return_token_ids") is True,
-        choices=n if isinstance(n, int) and n > 1 else 1,
+        token_ids=_lax_bool(body.get("return_token_ids")),
+        choices=n if n is not None and n > 1 else 1,
         history=history_calls(body),
         model=body.get("model"),
         response_id=f"chatcmpl-{body['request_id']}",
     )
-    if not body.get("stream"):
+    if not _lax_bool(body.get("stream")):
         return body, asked
-    options = body.get("stream_options", {})
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
     if not isinstance(options, dict):
         return body, asked  # vLLM refuses it, as it would without the switch
+    include_usage = _lax_bool(options.get("include_usage"))
     asked = replace(
         asked,
-        usage=bool(options.get("include_usage")),
+        usage=include_usage,
         # vLLM reads continuous usage only together with the summary: a client
         # that asked for the one without the other gets neither, as before.
-        continuous_usage=bool(options.get("include_usage"))
-        and bool(options.get("continuous_usage_stats")),
-        internal_content=bool(options.get("include_internal_content")),
+        continuous_usage=include_usage
+        and _lax_bool(options.get("continuous_usage_stats")),
+        internal_content=_lax_bool(options.get("include_internal_content")),
     )
     options = {
         **options,
@@ -161,6 +164,37 @@ def rewrite_request(body: dict[str, Any]) -> tuple[dict[str, Any], Asked]:
     if asked.internal_content:
         body["return_token_ids"] = True
     return body, asked
+
+
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def _lax_bool(value: Any) -> bool:
+    """A request flag as vLLM's pydantic models read it (lax: ``1``, ``"true"``,
+    ``"yes"``, …); what they would refuse reads as false (vLLM answers 400)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value == 1
+    return isinstance(value, str) and value.strip().lower() in _TRUE
+
+
+def _lax_int(value: Any) -> int | None:
+    """A request count as vLLM's pydantic models read it (``2``, ``2.0``, ``"2"``);
+    ``None`` where they would refuse it (vLLM answers 400)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            return None
+        return int(number) if number.is_integer() else None
+    return None
 
 
 def rewrite_body(body: dict[str, Any], history: int = 0) -> dict[str, Any]:
@@ -234,7 +268,7 @@ class StreamRewrite:
         if not self._plain or self._envelope is None:
             return None
         found = _ONE_PIECE.fullmatch(data)
-        if found is None:
+        if found is None or not (data.isascii() or _utf8(data)):
             return None
         index = int(found.group(1))
         state = self._choices.get(index) or self._choices.setdefault(index, _Choice())
@@ -328,11 +362,11 @@ class StreamRewrite:
         if finish is not None:
             deltas += state.boundary()
         if self.asked.internal_content:
-            for part in deltas:
-                if any(part.get(kind) for kind in _SHOWN):
-                    # The steps' ids ride on the first piece they showed.
-                    part["internal_content"] = {"token_ids": state.pending_ids}
-                    state.pending_ids = []
+            shown = [part for part in deltas if any(part.get(k) for k in _SHOWN)]
+            for part, ids in zip(shown, _shares(state.pending_ids, len(shown))):
+                part["internal_content"] = {"token_ids": ids}
+            if shown:
+                state.pending_ids = []
         if not deltas and any(per_token.values()):
             deltas.append({})  # logprobs or token ids with nothing to show
         out = []
@@ -390,10 +424,11 @@ class StreamRewrite:
         summary's (one choice, no continuous usage)."""
         if not isinstance(state.usage, dict):
             return copy.deepcopy(summary)
-        usage = copy.deepcopy(state.usage)
-        usage["prompt_tokens_details"] = copy.deepcopy(
-            summary.get("prompt_tokens_details")
-        )
+        usage = self._with_cached(copy.deepcopy(state.usage))
+        if summary.get("prompt_tokens_details") is not None:
+            usage["prompt_tokens_details"] = copy.deepcopy(
+                summary["prompt_tokens_details"]
+            )
         return {k: v for k, v in usage.items() if v is not None}
 
     def _not_a_chunk(self, payload) -> list[dict[str, Any]] | None:
@@ -450,6 +485,23 @@ def _parts(delta: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             parts.append(others)
     return parts
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _shares(ids: list[Any], pieces: int) -> list[list[Any]]:
+    """A step's token ids over the pieces it showed, in order (which token wrote
+    which piece is not known): one each and the rest on the last; a piece beyond
+    the step's ids repeats its last, so that no piece goes without (P0.5)."""
+    if len(ids) >= pieces:
+        return [ids[i : i + 1] for i in range(pieces - 1)] + [ids[pieces - 1 :]]
+    return [ids[i : i + 1] if i < len(ids) else ids[-1:] for i in range(pieces)]
 
 
 def _continuations(calls: Any) -> bool:

@@ -1,0 +1,28 @@
+"""The ``DeltaMessage`` a streamed step sends: only the fields the step has.
+
+vLLM writes each chunk with ``exclude_unset=True``, so a field passed as ``None`` is
+sent as ``null`` (``"content": null`` beside a reasoning piece: one more key in every
+frame, and a frame that Moonshot's spec reads as two kinds). Built with
+``model_construct``: the values are built by the plugin and valid, and pydantic
+validation of every per-token object would cost more than reading the token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+
+
+def delta_message(
+    reasoning: str = "", content: str = "", tool_calls: list[Any] | None = None
+) -> DeltaMessage | None:
+    """The step's delta, or ``None`` when it shows nothing."""
+    fields: dict[str, Any] = {}
+    if reasoning:
+        fields["reasoning"] = reasoning
+    if content:
+        fields["content"] = content
+    if tool_calls:
+        fields["tool_calls"] = tool_calls
+    return DeltaMessage.model_construct(**fields) if fields else None
