@@ -218,6 +218,24 @@ def _hook_messages() -> None:
         return
     _wrap(serving, "_to_anthropic_stop_reason", _stop_reason_of_cut_calls)
     _wrap(serving.AnthropicServingMessages, "messages_full_converter", _raw_arguments)
+    _wrap(serving.AnthropicServingMessages, "message_stream_converter", _calls_whole)
+
+
+def _calls_whole(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Each call's input in one piece, valid JSON (``messages_stream.py``)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionStreamResponse,
+    )
+
+    from vllm_k3_plugin.parsers import messages_stream
+
+    parse = ChatCompletionStreamResponse.model_validate
+
+    @functools.wraps(original)
+    def message_stream_converter(self, generator):
+        return original(self, messages_stream.calls_whole(generator, parse))
+
+    return message_stream_converter
 
 
 def _stop_reason_of_cut_calls(original: Callable[..., Any]) -> Callable[..., Any]:
