@@ -18,11 +18,22 @@ def delta_message(
     reasoning: str = "", content: str = "", tool_calls: list[Any] | None = None
 ) -> DeltaMessage | None:
     """The step's delta, or ``None`` when it shows nothing."""
-    fields: dict[str, Any] = {}
+    shown = set()
     if reasoning:
-        fields["reasoning"] = reasoning
+        shown.add("reasoning")
     if content:
-        fields["content"] = content
+        shown.add("content")
     if tool_calls:
-        fields["tool_calls"] = tool_calls
-    return DeltaMessage.model_construct(**fields) if fields else None
+        shown.add("tool_calls")
+    if not shown:
+        return None
+    # Every field given: pydantic reads a missing field's default factory's
+    # signature on each construction (hundreds of µs); ``_fields_set`` says which
+    # are sent.
+    return DeltaMessage.model_construct(
+        _fields_set=shown,
+        role=None,
+        reasoning=reasoning or None,
+        content=content or None,
+        tool_calls=tool_calls or [],
+    )
