@@ -72,3 +72,12 @@ def allow_unsupported_vllm() -> bool:
     """``VLLM_K3_ALLOW_UNSUPPORTED_VLLM``: load the plugin into a vLLM outside the
     supported range (any value but empty or ``0``), with a warning."""
     return os.environ.get(ALLOW_UNSUPPORTED_VLLM_ENV, "") not in ("", "0")
+
+
+METRICS_ENV = "VLLM_K3_METRICS"
+
+
+def metrics() -> bool:
+    """``VLLM_K3_METRICS``: ``1`` (default) counts what the kimi_k3 parsers read on
+    vLLM's ``/metrics``; ``0`` counts nothing."""
+    return _choice(METRICS_ENV, "1", ("0", "1"), "a metrics") == "1"

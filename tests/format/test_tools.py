@@ -642,7 +642,7 @@ def test_feed_after_finish_is_an_error():
 def test_dropped_events_name_their_call():
     markup = vocab.TOOLS_START + _call("f", f"{OPEN}argument{SEP}x{vocab.ARGUMENT_END}")
     _, dropped = read_calls(markup)
-    assert dropped == [Dropped(0, "an argument without a key")]
+    assert dropped == [Dropped(0, "an argument without a key", "argument_without_key")]
 
 
 # -- found in review ----------------------------------------------------------------

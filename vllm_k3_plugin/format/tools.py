@@ -57,6 +57,9 @@ from typing import NamedTuple
 from vllm_k3_plugin.format import marked as m
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.events import (
+    CALL_CUT_EARLY,
+    CALL_QUOTED,
+    CALL_UNNAMED,
     ArgumentsDelta,
     CallClosed,
     CallCut,
@@ -210,7 +213,11 @@ class ToolCallReader:
         if self._call is not None:
             events.append(CallCut(self._call))
         elif self._state is _State.NAMED:
-            events.append(Dropped(None, "a call cut off before its first argument"))
+            events.append(
+                Dropped(
+                    None, "a call cut off before its first argument", CALL_CUT_EARLY
+                )
+            )
         self._call = None
         self._space = []
         self._state = _State.DONE
@@ -230,8 +237,8 @@ class ToolCallReader:
         self._flush()
         self._events.append(event)
 
-    def _drop(self, reason: str, index: int | None = None) -> None:
-        self._event(Dropped(index, reason))
+    def _drop(self, kind: str, reason: str, index: int | None = None) -> None:
+        self._event(Dropped(index, reason, kind))
 
     # -- dispatch -----------------------------------------------------------------
 
@@ -274,7 +281,7 @@ class ToolCallReader:
                 self._space.append(text)
                 return
             # Words before any element: the call opener was quoted.
-            self._drop("a call opener not followed by an argument")
+            self._drop(CALL_QUOTED, "a call opener not followed by an argument")
             self._state = _State.OUTSIDE
             self._prose(text)
         # In a skipped call or value, text is dropped with it.
@@ -308,7 +315,9 @@ class ToolCallReader:
                 self._on_closer(tag.text.strip())
             return
         if tag.opener:
-            self._drop("an opener that never completed", self._call)
+            self._drop(
+                "incomplete_opener", "an opener that never completed", self._call
+            )
         if tag.text:
             self._text(tag.text)
 
@@ -332,11 +341,13 @@ class ToolCallReader:
             elif state is _State.SKIP_CALL:
                 self._skip_value(_ELEMENT_ENDS[name])
             else:
-                self._drop(f"an {name} element outside a call")
+                self._drop("element_outside_call", f"an {name} element outside a call")
         elif name in _OUTSIDE_CALLS:
             self._end_call()
         else:
-            self._drop(f"an unknown element {name[:64]!r}", self._call)
+            self._drop(
+                "unknown_element", f"an unknown element {name[:64]!r}", self._call
+            )
 
     def _on_closer(self, name: str) -> None:
         self._element_boundary()
@@ -357,7 +368,7 @@ class ToolCallReader:
 
     def _open_call(self, name: str) -> None:
         if not name:
-            self._drop("a call without a name")
+            self._drop(CALL_UNNAMED, "a call without a name")
             self._state = _State.SKIP_CALL
             return
         self._name = name
@@ -374,7 +385,7 @@ class ToolCallReader:
     def _end_call(self) -> None:
         state = self._state
         if state is _State.NAMED:
-            self._drop("a call opener not followed by an argument")
+            self._drop(CALL_QUOTED, "a call opener not followed by an argument")
         if self._call is None:
             self._state = _State.OUTSIDE
             return
@@ -393,10 +404,10 @@ class ToolCallReader:
         # of the call outside any value: prose.
         key = attributes.get("key")
         if key is None:
-            self._drop("an argument without a key", self._call)
+            self._drop("argument_without_key", "an argument without a key", self._call)
             return
         if self._args is _Args.JSON_BLOCK:
-            self._drop("an argument after a json block", self._call)
+            self._drop("mixed_arguments", "an argument after a json block", self._call)
             return
         prefix = ", " if self._args_started else "{"
         self._args = _Args.ELEMENTS
@@ -414,7 +425,9 @@ class ToolCallReader:
 
     def _open_json_block(self) -> None:
         if self._args is not _Args.NONE:
-            self._drop("a json block after other arguments", self._call)
+            self._drop(
+                "mixed_arguments", "a json block after other arguments", self._call
+            )
             return
         self._args = _Args.JSON_BLOCK
         self._value = _Value.RAW

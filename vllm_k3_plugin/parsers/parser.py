@@ -41,6 +41,7 @@ from vllm_k3_plugin.format.reasoning import (
     split_events,
 )
 from vllm_k3_plugin.parsers.deltas import delta_message
+from vllm_k3_plugin.parsers.metrics import OutputCounts, count_output, ending
 from vllm_k3_plugin.parsers.reasoning_parser import K3ReasoningParser
 from vllm_k3_plugin.parsers.request_state import (
     model_stopped,
@@ -52,9 +53,39 @@ from vllm_k3_plugin.parsers.serving_hooks import record_output
 from vllm_k3_plugin.parsers.tool_parser import (
     K3ToolParser,
     ToolCallDeltas,
+    declared_tool_names,
     function_calls,
     history_call_count,
 )
+
+
+def _count(
+    reader, counts: OutputCounts, request: Any, stopped: bool, *, content, reasoning
+) -> None:
+    """``vllm_k3_*`` metrics for one finished output (``metrics.py``)."""
+    reasoning_reader = (
+        reader.reasoning_reader if isinstance(reader, OutputReader) else reader
+    )
+    count_output(
+        counts,
+        request,
+        ended=ending(
+            stopped=stopped,
+            calls=counts.calls,
+            replayed=reasoning_reader.replayed,
+            content=bool(content),
+            reasoning=bool(reasoning),
+        ),
+        markup_dropped=reasoning_reader.markup_dropped,
+        decided_after=reasoning_reader.decided_after,
+    )
+
+
+def _undeclared(request: Any, calls: list[FunctionCall] | None) -> int:
+    declared = declared_tool_names(request)
+    if declared is None or not calls:
+        return 0
+    return sum(call.name not in declared for call in calls)
 
 
 def _tools_wanted(request: Any) -> bool:
@@ -71,11 +102,14 @@ class _Stream:
     __slots__ = (
         "calls",
         "content_gate",
+        "content_seen",
+        "counts",
         "last_id",
         "other_tools",
         "output_len",
         "prompt_len",
         "reader",
+        "reasoning_seen",
         "tool_text",
     )
 
@@ -89,6 +123,9 @@ class _Stream:
         # Another tool parser's streaming API wants the tools channel so far, whole.
         self.tool_text = ""
         self.other_tools = False
+        self.counts = OutputCounts()
+        self.content_seen = False
+        self.reasoning_seen = False
 
 
 class K3Parser(DelegatingParser):
@@ -211,10 +248,14 @@ class K3Parser(DelegatingParser):
             reasoning, content = reading.reasoning, reading.content
             tool_calls = self._other_tool_calls(reading.tool_markup, request)
         record_output(calls_cut=self.calls_cut, stopped=stopped)
+        counts = OutputCounts()
+        counts.events(events)
+        counts.undeclared = _undeclared(request, tool_calls)
         gate = ContentGate()
         content = gate.pass_through(content) + gate.close(
             tool_calls_made=bool(tool_calls)
         )
+        _count(reader, counts, request, stopped, content=content, reasoning=reasoning)
         if not _reasoning_wanted(request):
             reasoning = ""
         return reasoning or None, content or None, tool_calls
@@ -289,6 +330,20 @@ class K3Parser(DelegatingParser):
             content += stream.content_gate.close(
                 tool_calls_made=calls_made or stream.other_tools
             )
+            if stream.calls is not None:
+                stream.counts.undeclared = stream.calls.undeclared
+            _count(
+                stream.reader,
+                stream.counts,
+                request,
+                stopped,
+                content=stream.content_seen or content,
+                reasoning=stream.reasoning_seen or reasoning,
+            )
+        if content:
+            stream.content_seen = True
+        if reasoning:
+            stream.reasoning_seen = True
         if not _reasoning_wanted(request):
             reasoning = ""
         return delta_message(reasoning, content, tool_calls)
@@ -305,6 +360,7 @@ class K3Parser(DelegatingParser):
             if kind is Content:
                 return "", event.text, []
         reasoning, content, calls = split_events(events)
+        stream.counts.events(calls)
         tool_calls: list[Any] = []
         if calls and _tools_wanted(request):
             if stream.calls is None:

@@ -31,6 +31,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
+from vllm_k3_plugin.parsers import metrics
 from vllm_k3_plugin.wire import facts as engine_facts
 
 RAW_ARGUMENTS_KEY = "_raw_arguments"
@@ -73,6 +74,7 @@ def install() -> None:
     _hook_chat_completions_032()
     _hook_messages()
     _hook_engine_facts()
+    _hook_endpoints()
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -163,6 +165,43 @@ def _stream_reply_reasons(original: Callable[..., Any]) -> Callable[..., Any]:
             yield chunk
 
     return chat_completion_stream_generator
+
+
+# -- which endpoint serves the request (the metrics' label) ---------------------------
+
+
+def _hook_endpoints() -> None:
+    import importlib
+
+    # ``parsed``: the request is the one the parser is handed (``/v1/messages``
+    # hands chat completions a request of its own).
+    for module_name, owner, method, endpoint, parsed in (
+        ("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages",
+         "create_messages", "messages", False),
+        ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat",
+         "create_chat_completion", "chat_completions", True),
+        ("vllm.entrypoints.openai.responses.serving", "OpenAIServingResponses",
+         "create_responses", "responses", True),
+    ):  # fmt: skip
+        try:
+            cls = getattr(importlib.import_module(module_name), owner)
+        except (ImportError, AttributeError):
+            continue
+        _wrap(cls, method, _serving_as(endpoint, parsed))
+
+
+def _serving_as(endpoint: str, parsed: bool) -> Callable[[Any], Any]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        async def create(self, request, *args, **kwargs):
+            stream = getattr(request, "stream", False)
+            metrics.serving(endpoint, stream, request if parsed else None)
+            return await original(self, request, *args, **kwargs)
+
+        return create
+
+    make.__name__ = f"_serving_as_{endpoint}"
+    return make
 
 
 # -- the wire spec's engine facts (both versions) -------------------------------------

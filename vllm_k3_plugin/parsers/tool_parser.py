@@ -97,22 +97,26 @@ class UndeclaredTools:
         self._declared = declared_tool_names(request)
         self._warned = False
 
-    def check(self, name: str) -> None:
-        if self._warned or self._declared is None or name in self._declared:
-            return
+    def check(self, name: str) -> bool:
+        """Whether ``name`` is undeclared (warned of once)."""
+        if self._declared is None or name in self._declared:
+            return False
+        if self._warned:
+            return True
         self._warned = True
         logger.warning(
             "kimi_k3: the model called %r, which the request does not declare; "
             "returning the call as written",
             name,
         )
+        return True
 
 
 class ToolCallDeltas:
     """One request's tool-call events as vLLM deltas; shared by ``K3Parser`` and the
     bare API."""
 
-    __slots__ = ("_first_number", "_undeclared", "calls_made")
+    __slots__ = ("_first_number", "_undeclared", "calls_made", "undeclared")
 
     def __init__(self, request: Any, first_number: int) -> None:
         """``first_number``: the conversation's calls before this output."""
@@ -120,6 +124,8 @@ class ToolCallDeltas:
         self._undeclared = UndeclaredTools(request)
         self.calls_made = False
         """Whether a call was sent (closed or cut: the whole read lists both)."""
+        self.undeclared = 0
+        """Calls to tools the request does not declare."""
 
     def deltas(self, events: list[Any]) -> list[DeltaToolCall]:
         # Built with ``model_construct``: valid by construction, and this runs for
@@ -129,7 +135,7 @@ class ToolCallDeltas:
             kind = type(event)
             if kind is CallOpened:
                 self.calls_made = True
-                self._undeclared.check(event.name)
+                self.undeclared += self._undeclared.check(event.name)
                 deltas.append(
                     DeltaToolCall.model_construct(
                         index=event.index,
