@@ -31,6 +31,10 @@ DROPPED = (
     + vocab.TOOLS_START + '<|open|>call index="1"<|sep|>' + ARGUMENT + "x"
     + vocab.ARGUMENT_END + vocab.CALL_END + vocab.TOOLS_END + vocab.MESSAGE_END
 )  # fmt: skip
+NOT_JSON = (
+    vocab.TOOLS_START + CALL + '<|open|>json type="object"<|sep|>city = Bern'
+    + vocab.JSON_END + vocab.CALL_END + vocab.TOOLS_END + vocab.MESSAGE_END
+)  # fmt: skip
 UNDECLARED = (
     vocab.TOOLS_START + CALL.replace("get_weather", "launch") + ARGUMENT + "x"
     + vocab.ARGUMENT_END + vocab.CALL_END + vocab.TOOLS_END + vocab.MESSAGE_END
@@ -68,6 +72,12 @@ def expected(endpoint: str, stream: str) -> Counter:
     # The widget's opener and its closer, each a tag dropped whole.
     want[key("vllm_k3_markup_dropped_total", kind="element_outside_tools")] = 2
     want[key("vllm_k3_tool_calls_undeclared_total")] = 1
+    # NOT_JSON: a call whose arguments are text, kept as text where the endpoint
+    # needs an object (``/v1/messages``).
+    want[key("vllm_k3_outputs_total", ending="tool_calls")] += 1
+    want[key("vllm_k3_tool_calls_total", outcome="parsed")] += 1
+    if endpoint == "messages":
+        want[key("vllm_k3_arguments_kept_as_text_total")] = 1
     return want
 
 
@@ -80,6 +90,7 @@ def test_each_reading_is_counted_as_it_ended(k3_server):
         (SHAPES["tools-in-think"].output, True, None),
         (UNDECLARED, False, None),
         (DROPPED, False, None),
+        (NOT_JSON, False, None),
     ]
     for reading, read in sorted(ENDPOINTS.items()):
         before = scrape(k3_server)
@@ -107,7 +118,7 @@ def test_each_reading_is_counted_as_it_ended(k3_server):
             and dict(key[1])["endpoint"] == LABELS[reading][0]
             and dict(key[1])["stream"] == LABELS[reading][1]
         ]
-        assert decided == [5], reading
+        assert decided == [5], reading  # the thinking-on sends
 
 
 def test_the_dashboard_reads_metrics_the_server_has(k3_server):

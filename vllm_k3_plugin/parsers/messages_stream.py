@@ -65,7 +65,10 @@ class WholeCalls:
     def done(self) -> list[dict[str, Any]]:
         """A chunk per held call, its arguments whole."""
         calls = [
-            {"index": index, "function": {"arguments": json_object_text("".join(text))}}
+            {
+                "index": index,
+                "function": {"arguments": json_object_text("".join(text), stream=True)},
+            }
             for index, text in self._held.items()
         ]
         self._held.clear()

@@ -72,6 +72,7 @@ class _Metrics(NamedTuple):
     tool_calls_dropped: Any
     tool_calls_undeclared: Any
     decided_after: Any
+    kept_as_text: Any
 
 
 _METRICS: _Metrics | None = None
@@ -115,6 +116,12 @@ def _metrics() -> _Metrics:
                 "thought or reply (held back that long under hold-back).",
                 labels,
                 buckets=_DECIDED_BUCKETS,
+            ),
+            Counter(
+                "vllm_k3_arguments_kept_as_text",
+                "Tool-call arguments that were not a JSON object where the endpoint "
+                'needs one, sent as {"_raw_arguments": "<the text>"}.',
+                labels,
             ),
         )
     return _METRICS
@@ -188,3 +195,10 @@ def count_output(
         metrics.tool_calls_undeclared.labels(*labels).inc(counts.undeclared)
     if decided_after is not None:
         metrics.decided_after.labels(*labels).observe(decided_after)
+
+
+def count_kept_as_text(endpoint: str, stream: bool) -> None:
+    """One call's arguments kept as text where the endpoint needs an object."""
+    if metrics_enabled():
+        labels = (endpoint, "true" if stream else "false")
+        _metrics().kept_as_text.labels(*labels).inc()

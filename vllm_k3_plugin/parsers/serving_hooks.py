@@ -294,17 +294,21 @@ def _raw_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
     def messages_full_converter(self, generator):
         for choice in getattr(generator, "choices", None) or []:
             for call in getattr(choice.message, "tool_calls", None) or []:
-                call.function.arguments = json_object_text(call.function.arguments)
+                call.function.arguments = json_object_text(
+                    call.function.arguments, stream=False
+                )
         return original(self, generator)
 
     return messages_full_converter
 
 
-def json_object_text(arguments: str) -> str:
-    """``arguments`` if it is a JSON object; else an object keeping it as text."""
+def json_object_text(arguments: str, *, stream: bool) -> str:
+    """``arguments`` if it is a JSON object; else an object keeping it as text
+    (counted: ``vllm_k3_arguments_kept_as_text_total``)."""
     try:
         if isinstance(json.loads(arguments), dict):
             return arguments
     except (ValueError, RecursionError):
         pass
+    metrics.count_kept_as_text("messages", stream)
     return json.dumps({RAW_ARGUMENTS_KEY: arguments}, ensure_ascii=False)
