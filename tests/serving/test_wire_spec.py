@@ -474,3 +474,32 @@ def test_logprobs_go_on_the_frames_that_show_their_tokens(wire_server):
         assert len(entry["top_logprobs"]) == 2
     plain = _frames(wire_server, _body("thinking-off", True))
     assert all(f["choices"][0].get("logprobs") is None for f in _choice_frames(plain))
+
+
+def test_without_the_switch_responses_are_vllms(k3_server):
+    """The switch changes nothing for a server that does not name it: vLLM's
+    ``reasoning`` only, no boundary frame, no usage on the end frame, vLLM's ids,
+    no usage headers; the whole reply has no ``reasoning_content``."""
+    body = _body("tools-in-think", True, stream_options={"include_usage": True})
+    with httpx.stream(
+        "POST", k3_server + "/v1/chat/completions", json=body, timeout=120
+    ) as response:
+        assert "x-msh-usage-prompt-tokens" not in response.headers
+        lines = [line for line in response.iter_lines() if line]
+    frames = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    assert not re.fullmatch(r"chatcmpl-[0-9a-f]{24}", frames[0]["id"])
+    deltas = [f["choices"][0]["delta"] for f in frames if f["choices"]]
+    assert all("reasoning_content" not in delta for delta in deltas)
+    assert any(delta.get("reasoning") for delta in deltas)
+    choices = [f["choices"][0] for f in frames if f["choices"]]
+    ends = [choice for choice in choices if choice["finish_reason"]]
+    assert ends and all("usage" not in end for end in ends)
+    calls = [c for delta in deltas for c in delta.get("tool_calls") or ()]
+    assert calls[0]["id"].startswith("functions.get_weather:")
+    whole = httpx.post(
+        k3_server + "/v1/chat/completions",
+        json=_body("think-then-reply", False),
+        timeout=120,
+    )
+    assert "reasoning_content" not in whole.json()["choices"][0]["message"]
+    assert "x-msh-usage-prompt-tokens" not in whole.headers
