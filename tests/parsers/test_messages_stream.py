@@ -119,3 +119,17 @@ def test_response_objects_come_back_as_response_objects():
     assert all(isinstance(item, ChatCompletionStreamResponse) for item in out)
     chunks = [item.model_dump(exclude_unset=True) for item in out]
     assert calls_sent(chunks)[0] == ("functions.f:0", "f", '{"a": 1}')
+
+
+def test_text_in_the_chunk_that_opens_a_call_goes_before_it():
+    """vLLM's converter sends a chunk's thinking and text before the calls it
+    opens; the rewrite keeps that order."""
+    whole = WholeCalls()
+    out = whole.chunk(chunk({"reasoning": "hm", "tool_calls": [opened(0, "f", "{}")]}))
+    out += whole.done()
+    kinds = [
+        "reasoning" if c["choices"][0]["delta"].get("reasoning") else
+        ("open" if c["choices"][0]["delta"]["tool_calls"][0].get("id") else "args")
+        for c in out
+    ]  # fmt: skip
+    assert kinds == ["reasoning", "open", "args"]

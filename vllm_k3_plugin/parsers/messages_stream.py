@@ -46,7 +46,15 @@ class WholeCalls:
         choice = choices[0]
         delta = choice.get("delta") or {}
         out: list[dict[str, Any]] = []
-        for call in delta.get("tool_calls") or ():
+        rest = {k: v for k, v in delta.items() if k != "tool_calls"}
+        calls = delta.get("tool_calls") or ()
+        if any(rest.values()) and any(c.get("id") is not None for c in calls):
+            # vLLM's converter sends a chunk's thinking and text before the calls
+            # it opens: kept so (the previous call ended before them).
+            out += self.done()
+            out.append({**chunk, "choices": [{**choice, "delta": rest}]})
+            rest = {}
+        for call in calls:
             function = call.get("function") or {}
             arguments = function.get("arguments") or ""
             if call.get("id") is not None:
@@ -55,7 +63,6 @@ class WholeCalls:
                 header = {**call, "function": {**function, "arguments": ""}}
                 out.append(self._calls_chunk(choice, [header]))
             self._held.setdefault(call.get("index", 0), []).append(arguments)
-        rest = {k: v for k, v in delta.items() if k != "tool_calls"}
         finished = choice.get("finish_reason") is not None
         if any(rest.values()) or finished:
             out += self.done()

@@ -62,7 +62,13 @@ def serving(endpoint: str, stream: Any, request: Any = None) -> None:
 
 
 def _labels_of(request: Any) -> tuple[str, str]:
-    return _LABELS.get(id(request)) or _SERVING.get() or ("other", "false")
+    # Kept for the request's other outputs (``n``); with one, dropped now, so that
+    # a later request at the same identity that was never labelled reads "other".
+    if (getattr(request, "n", None) or 1) > 1:
+        labels = _LABELS.get(id(request))
+    else:
+        labels = _LABELS.pop(id(request), None)
+    return labels or _SERVING.get() or ("other", "false")
 
 
 class _Metrics(NamedTuple):

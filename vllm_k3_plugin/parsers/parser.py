@@ -249,7 +249,8 @@ class K3Parser(DelegatingParser):
             tool_calls = self._other_tool_calls(reading.tool_markup, request)
         record_output(calls_cut=self.calls_cut, stopped=stopped)
         counts = OutputCounts()
-        counts.events(events)
+        if _tools_wanted(request):  # calls read but not returned are not counted
+            counts.events(events)
         counts.undeclared = _undeclared(request, tool_calls)
         gate = ContentGate()
         content = gate.pass_through(content) + gate.close(
@@ -360,9 +361,9 @@ class K3Parser(DelegatingParser):
             if kind is Content:
                 return "", event.text, []
         reasoning, content, calls = split_events(events)
-        stream.counts.events(calls)
         tool_calls: list[Any] = []
         if calls and _tools_wanted(request):
+            stream.counts.events(calls)
             if stream.calls is None:
                 stream.calls = ToolCallDeltas(request, self._first_call_number(request))
             tool_calls = stream.calls.deltas(calls)
