@@ -231,18 +231,21 @@ def _with_usage(headers, usage: Any) -> list:
         return headers
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return [
-        *headers,
-        (PROMPT_TOKENS_HEADER, str(usage["prompt_tokens"]).encode()),
-        (CACHED_TOKENS_HEADER, str(cached if isinstance(cached, int) else 0).encode()),
-    ]
+    cached = cached if isinstance(cached, int) else 0
+    return _usage_headers(headers, usage["prompt_tokens"], cached)
 
 
 def _with_facts(start: Message, facts: engine_facts.EngineFacts) -> list:
+    return _usage_headers(
+        start.get("headers", []), facts.prompt_tokens, facts.cached_tokens
+    )
+
+
+def _usage_headers(headers, prompt_tokens: Any, cached_tokens: Any) -> list:
     return [
-        *start.get("headers", []),
-        (PROMPT_TOKENS_HEADER, str(facts.prompt_tokens).encode()),
-        (CACHED_TOKENS_HEADER, str(facts.cached_tokens).encode()),
+        *headers,
+        (PROMPT_TOKENS_HEADER, str(prompt_tokens).encode()),
+        (CACHED_TOKENS_HEADER, str(cached_tokens).encode()),
     ]
 
 
