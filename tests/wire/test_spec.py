@@ -289,7 +289,10 @@ def test_a_whole_reply_gets_reasoning_content():
 
 def sse(frames):
     body = b"".join(
-        b"data: " + json.dumps(f, separators=(",", ":")).encode() + b"\n\n"
+        # As vLLM writes them: compact, UTF-8 unescaped.
+        b"data: "
+        + json.dumps(f, separators=(",", ":"), ensure_ascii=False).encode()
+        + b"\n\n"
         for f in frames
     )
     return body + b"data: [DONE]\n\n"
@@ -327,7 +330,10 @@ def streaming_app(frames, cut):
             {"type": "http.response.start", "status": 200, "headers": [events_type]}
         )
         data = sse(frames)
-        pieces = [data[i : i + cut] for i in range(0, len(data), cut)]
+        if cut is None:  # one event a message, as vLLM sends them
+            pieces = [event + b"\n\n" for event in data.split(b"\n\n") if event]
+        else:
+            pieces = [data[i : i + cut] for i in range(0, len(data), cut)]
         for piece in pieces:
             await send({"type": "http.response.body", "body": piece, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -360,6 +366,51 @@ def test_the_middleware_rewrites_the_stream_however_it_is_cut(cut):
     got = events(data)
     assert got[-1] == "[DONE]"
     assert got[:-1] == run(FRAMES)
+
+
+PLAIN_PIECES = [
+    FIRST,
+    chunk({"reasoning": "Plan"}, token_ids=None),
+    chunk({"reasoning": " é 🌍"}, token_ids=None),
+    chunk({"reasoning": ' "quoted"'}, token_ids=None),
+    chunk({"reasoning": "line\n"}, token_ids=None),
+    chunk({"reasoning": "\u0001"}, token_ids=None),
+    chunk({"reasoning": " more"}, token_ids=None),
+    chunk({"content": "Answer"}, token_ids=None),
+    chunk({"content": " 是"}, token_ids=None),
+    chunk({"content": "back\\slash"}, token_ids=None),
+    chunk({"content": " done"}, token_ids=None),
+    chunk({"content": "."}, "stop"),
+    summary(),
+]
+
+
+@pytest.fixture
+def matched(monkeypatch):
+    """Whether each call of ``StreamRewrite.framed`` matched its event."""
+    calls = []
+    framed = StreamRewrite.framed
+
+    def counting(self, event):
+        out = framed(self, event)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(StreamRewrite, "framed", counting)
+    return calls
+
+
+def test_most_events_are_matched_as_bytes_and_rewritten_alike(matched):
+    """One event a message, as vLLM sends them: the events that differ from one
+    already read only in a plain text go through ``framed`` (compared as bytes),
+    the rest are read; the stream is what the parsed path gives."""
+    app, _ = streaming_app(PLAIN_PIECES, None)
+    _, data = serve(app, "/v1/chat/completions", {"model": "k3", "stream": True})
+    assert events(data)[:-1] == run(PLAIN_PIECES)
+    # Matched: " é 🌍", " more" and " 是", " done". The first of each kind is read
+    # (and learnt from), as are texts with quotes, escapes and control characters,
+    # the first content (the boundary goes before it) and the end frame.
+    assert matched.count(True) == 4
 
 
 def test_the_middleware_rewrites_a_whole_reply_and_its_length():
@@ -537,14 +588,36 @@ _CHUNKS = st.builds(
 )
 
 
-@given(st.lists(_CHUNKS, max_size=8), st.booleans())
-def test_the_unparsed_path_sends_what_the_parsed_path_sends(chunks, ascii_only):
-    """``StreamRewrite.raw`` on vLLM's compact bytes gives what ``chunk`` gives on
-    the parsed payload, chunk by chunk, and leaves the same state behind."""
-    unparsed, parsed = StreamRewrite(), StreamRewrite()
+_COUNTS = st.integers(0, 99)
+_USAGES = st.builds(
+    lambda prompt, completion, details: {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        **details,
+    },
+    _COUNTS,
+    _COUNTS,
+    st.sampled_from([
+        {},
+        {"completion_tokens_details": None},
+        {"completion_tokens_details": {"reasoning_tokens": 3}},
+        {"prompt_tokens_details": {"cached_tokens": 2}},
+    ]),
+)  # fmt: skip
+_CHUNKS_WITH_USAGE = st.builds(
+    lambda chunk, usage: {**chunk, "usage": usage}, _CHUNKS, _USAGES
+)
+
+
+def _same_as_parsed(chunks, ascii_only, asked, facts):
+    unparsed = StreamRewrite(asked, EngineFacts(**facts))
+    parsed = StreamRewrite(asked, EngineFacts(**facts))
     for payload in chunks:
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=ascii_only)
-        fast = unparsed.raw(data.encode())
+        event = b"data: " + data.encode() + b"\n\n"
+        framed = unparsed.framed(event)
+        fast = unparsed.raw(data.encode()) if framed is None else framed[6:-2]
         if fast is None:
             got = unparsed.chunk(json.loads(data))
             got = [json.loads(data)] if got is None else got
@@ -554,6 +627,28 @@ def test_the_unparsed_path_sends_what_the_parsed_path_sends(chunks, ascii_only):
         assert got == ([json.loads(data)] if sent is None else sent)
         assert unparsed._choices == parsed._choices
     assert unparsed.done() == parsed.done()
+
+
+@given(st.lists(_CHUNKS, max_size=8), st.booleans())
+def test_the_unparsed_path_sends_what_the_parsed_path_sends(chunks, ascii_only):
+    """``StreamRewrite.framed`` on vLLM's events, else ``raw`` on their compact
+    bytes, gives what ``chunk`` gives on the parsed payload, chunk by chunk, and
+    leaves the same state behind."""
+    _same_as_parsed(chunks, ascii_only, Asked(), {})
+
+
+@given(
+    st.lists(_CHUNKS_WITH_USAGE, max_size=8),
+    st.booleans(),
+    st.sampled_from([{}, {"prompt_tokens": 5, "cached_tokens": 4}]),
+)
+def test_the_unparsed_path_sends_what_the_parsed_path_sends_with_usage(
+    chunks, ascii_only, facts
+):
+    """The same with the continuous usage a client asked for on every chunk, the
+    prompt's cached tokens known or not."""
+    asked = Asked(usage=True, continuous_usage=True)
+    _same_as_parsed(chunks, ascii_only, asked, facts)
 
 
 @pytest.mark.parametrize(
@@ -638,6 +733,56 @@ def test_continuous_usage_asked_for_rides_on_every_frame_with_the_cached_count()
         end["usage"]["completion_tokens_details"]
         == end["choices"][0]["usage"]["completion_tokens_details"]
     )
+
+
+def _with_usage(frame, completion, reasoning):
+    """``frame`` with continuous usage as vLLM writes it (its field order)."""
+    return {
+        **frame,
+        "usage": {
+            "prompt_tokens": 5,
+            "total_tokens": 5 + completion,
+            "completion_tokens": completion,
+            "completion_tokens_details": {"reasoning_tokens": reasoning},
+        },
+    }
+
+
+USAGE_PIECES = [
+    _with_usage(FIRST, 0, 0),
+    _with_usage(chunk({"reasoning": "Plan"}, token_ids=None), 1, 1),
+    _with_usage(chunk({"reasoning": " é 🌍"}, token_ids=None), 2, 2),
+    _with_usage(chunk({"reasoning": ' "q"'}, token_ids=None), 3, 3),
+    _with_usage(chunk({"reasoning": " more"}, token_ids=None), 4, 4),
+    _with_usage(chunk({"content": "Ok"}, token_ids=None), 5, 4),
+    _with_usage(chunk({"content": " 是"}, token_ids=None), 6, 4),
+    _with_usage(chunk({"content": "."}, "stop"), 7, 4),
+    {**ENVELOPE, "choices": [], "usage": {**USAGE, "completion_tokens": 7,
+                                          "total_tokens": 12}},
+]  # fmt: skip
+
+
+def test_continuous_usage_events_are_matched_as_bytes_too(matched):
+    """A client that asked for continuous usage: the events that differ from one
+    already read only in a plain text and the counts go through ``framed``, with
+    the cached tokens added to their usage; the stream is the parsed path's."""
+    frames_app, _ = streaming_app(USAGE_PIECES, None)
+
+    async def app(scope, receive, send):
+        engine_facts.record(5, 3)  # what the serving hook does
+        await frames_app(scope, receive, send)
+
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    request = {"model": "k3", "stream": True, "stream_options": options}
+    _, data = serve(app, "/v1/chat/completions", request)
+    facts = EngineFacts(prompt_tokens=5, cached_tokens=3)
+    expected = run(USAGE_PIECES, wants_usage=True, facts=facts, continuous_usage=True)
+    assert events(data)[:-1] == expected
+    for frame in expected[1:-1]:
+        assert frame["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
+    # Matched: " é 🌍", " more" and " 是"; read: the first of each kind, the quoted
+    # text, the first content (the boundary goes before it) and the end frame.
+    assert matched.count(True) == 3
 
 
 def test_internal_content_carries_the_token_ids_of_what_each_piece_shows():

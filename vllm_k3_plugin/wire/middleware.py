@@ -131,9 +131,27 @@ class _Rewriting:
         self._start: Message | None = None
         self._buffer = b""
         self._stream: StreamRewrite | None = None
+        # The response start is sent and the body is events: ``framed`` may read
+        # the next message.
+        self._streaming = False
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
+        if (
+            self._streaming
+            and kind == "http.response.body"
+            and message.get("more_body")
+            and not self._buffer
+        ):
+            # Most of a stream: one event a message, matched as bytes.
+            event = message.get("body", b"")
+            out = self._stream.framed(event)
+            if out is event:
+                await self._send(message)
+                return
+            if out is not None:
+                await self._send({"type": kind, "body": out, "more_body": True})
+                return
         if kind == "http.response.start":
             content_type = _header(message, b"content-type").lower()
             if message.get("status") != 200:
@@ -195,6 +213,7 @@ class _Rewriting:
                 if self._facts.known:
                     start = {**start, "headers": _with_facts(start, self._facts)}
                 await self._send(start)
+                self._streaming = True
             await self._send(
                 {"type": "http.response.body", "body": out, "more_body": more}
             )

@@ -60,6 +60,13 @@ _CHAR = rb'(?:[^"\\\x00-\x1f]++|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 _STRING = rb'"' + _CHAR + rb'*+"'
 _NONEMPTY_STRING = rb'"' + _CHAR + rb'++"'
 _NUMBER = rb"(?:0|-?[1-9][0-9]*+|-0)"
+# What may not stand in a piece's text for it to be read as the bytes around it
+# say (``StreamRewrite.framed``): a quote or a backslash (escapes go the regex's
+# way) and what JSON refuses unescaped.
+_NOT_PLAIN_TEXT = re.compile(rb'["\\\x00-\x1f]')
+# A server-sent event as vLLM writes one a message (P0.6).
+SSE_DATA = b"data: "
+SSE_END = b"\n\n"
 _ONE_PIECE = re.compile(
     rb'\{(?:(?!"choices")"[a-z_]++":(?:' + _STRING + rb"|" + _NUMBER + rb"|null),)*+"
     rb'"choices":\[\{"index":(0|[1-9][0-9]*+),'
@@ -67,6 +74,28 @@ _ONE_PIECE = re.compile(
     rb'(?:,(?!"(?:index|delta)")"[a-z_]++":null)*+\}\]'
     rb'(?:,(?!"choices")"[a-z_]++":null)*+\}'
 )
+_COUNT = rb"(0|[1-9][0-9]*+)"
+# vLLM's continuous usage (``UsageInfo`` dumped as its stream generator sets it).
+_USAGE = re.compile(
+    rb'\{"prompt_tokens":' + _COUNT + rb',"total_tokens":' + _COUNT
+    + rb',"completion_tokens":' + _COUNT
+    + rb'(?:,"completion_tokens_details":(null|\{"reasoning_tokens":' + _COUNT
+    + rb"\}))?\}"
+)  # fmt: skip
+# A one-choice chunk with continuous usage, exactly as vLLM writes it: the choice
+# ends in its nulls (``token_ids`` on 0.32), the usage comes last. Groups: what
+# precedes the text (its kind in 2), the text, what follows it up to the usage,
+# the usage (``_USAGE``).
+_ONE_PIECE_WITH_USAGE = re.compile(
+    rb'(\{(?:(?!"(?:choices|prompt_token_ids)")"[a-z_]++":(?:' + _STRING + rb"|"
+    + _NUMBER + rb'|null),)*+"choices":\[\{"index":0,"delta":\{"(reasoning|content)'
+    rb'":")(' + _CHAR + rb'++)'
+    rb'("\},"logprobs":null,"finish_reason":null(?:,"token_ids":null)?\}\],"usage":)'
+    rb"(" + _USAGE.pattern + rb")\}"
+)  # fmt: skip
+# What the parsed path writes after such a chunk's text: the choice without its
+# token ids (the client did not ask for them).
+_USAGE_MIDDLE = b'"},"logprobs":null,"finish_reason":null}],"usage":'
 
 
 def object_id() -> str:
@@ -254,29 +283,163 @@ class StreamRewrite:
     """Filled by the serving hook before the first frame (``facts.py``)."""
     _choices: dict[int, _Choice] = field(default_factory=dict)
     _envelope: dict[str, Any] | None = None
+    # The bytes around the text of a one-choice stream's one-piece events, as the
+    # first of each kind that ``raw`` read showed them (``framed``): the tail when
+    # the events carry no usage, else what leads from the text to the usage.
+    _reasoning_head: bytes | None = None
+    _content_head: bytes | None = None
+    _tail: bytes | None = None
+    _usage_middle: bytes | None = None
 
     @property
     def _plain(self) -> bool:
         """Frames carry no usage or token ids the rewrite has to move."""
         return not (self.asked.per_choice_usage or self.asked.internal_content)
 
+    @property
+    def _usage_bytes_path(self) -> bool:
+        """One choice whose frames carry the continuous usage the client asked for
+        and no token ids: ``raw`` reads them too."""
+        asked = self.asked
+        return (
+            asked.continuous_usage
+            and asked.choices == 1
+            and not (asked.internal_content or asked.token_ids)
+        )
+
     def raw(self, data: bytes) -> bytes | None:
         """``chunk`` on a ``data:`` payload still unparsed, for the chunks vLLM sends
-        most (one reasoning or content piece; see ``_ONE_PIECE``): the bytes to send,
-        or ``None``: parse it and call ``chunk``. Same result as ``chunk`` would give,
+        most (one reasoning or content piece; see ``_ONE_PIECE``, and
+        ``_ONE_PIECE_WITH_USAGE`` for continuous usage): the bytes to send, or
+        ``None``: parse it and call ``chunk``. Same result as ``chunk`` would give,
         without reading or writing the JSON."""
-        if not self._plain or self._envelope is None:
+        if self._envelope is None:
+            return None
+        if self._usage_bytes_path:
+            return self._raw_with_usage(data)
+        if not self._plain:
             return None
         found = _ONE_PIECE.fullmatch(data)
         if found is None or not (data.isascii() or _utf8(data)):
             return None
         index = int(found.group(1))
         state = self._choices.get(index) or self._choices.setdefault(index, _Choice())
+        if index == 0 and self.asked.choices == 1:
+            self._learn(data, found)
         if found.group(2) == b"reasoning":
             state.reasoning_sent = True
             end = found.end(3)
             return data[:end] + b',"reasoning_content":' + found.group(3) + data[end:]
         return None if state.boundary_due else data
+
+    def _learn(self, data: bytes, found: re.Match[bytes]) -> None:
+        text_start, text_end = found.start(3) + 1, found.end(3) - 1
+        head = SSE_DATA + data[:text_start]
+        if found.group(2) == b"reasoning":
+            self._reasoning_head = head
+        else:
+            self._content_head = head
+        if self._tail is None:
+            self._tail = data[text_end:] + SSE_END
+
+    def _raw_with_usage(self, data: bytes) -> bytes | None:
+        found = _ONE_PIECE_WITH_USAGE.fullmatch(data)
+        if found is None or not (data.isascii() or _utf8(data)):
+            return None
+        state = self._choices.get(0) or self._choices.setdefault(0, _Choice())
+        reasoning = found.group(2) == b"reasoning"
+        head = SSE_DATA + found.group(1)
+        if reasoning:
+            self._reasoning_head = head
+        else:
+            self._content_head = head
+        self._usage_middle = found.group(4)
+        if not reasoning and state.boundary_due:
+            return None
+        usage = _USAGE.fullmatch(data, found.start(5), found.end(5))
+        return self._with_usage(
+            state, reasoning, found.group(1), found.group(3), usage, data
+        )[len(SSE_DATA) : -len(SSE_END)]
+
+    def _with_usage(
+        self,
+        state: _Choice,
+        reasoning: bool,
+        head: bytes,
+        text: bytes,
+        usage: re.Match[bytes],
+        data: bytes,
+    ) -> bytes:
+        """The event of a one-piece chunk with continuous usage, as the parsed path
+        writes it; ``head`` without the event's ``data: ``."""
+        prompt, total, completion, details, reasoning_tokens = usage.groups()
+        state.usage = {
+            "prompt_tokens": int(prompt),
+            "total_tokens": int(total),
+            "completion_tokens": int(completion),
+        }
+        if details is not None:
+            state.usage["completion_tokens_details"] = (
+                None
+                if reasoning_tokens is None
+                else {"reasoning_tokens": int(reasoning_tokens)}
+            )
+        usage_bytes = data[usage.start() : usage.end()]
+        if self.facts.known:
+            cached = b',"prompt_tokens_details":{"cached_tokens":%d}}' % (
+                self.facts.cached_tokens
+            )
+            usage_bytes = usage_bytes[:-1] + cached
+        if reasoning:
+            state.reasoning_sent = True
+            text += b'","reasoning_content":"' + text
+        return SSE_DATA + head + text + _USAGE_MIDDLE + usage_bytes + b"}" + SSE_END
+
+    def framed(self, event: bytes) -> bytes | None:
+        """``raw`` on a whole event (``data: `` and its payload and the blank line),
+        for the events of a one-choice stream that differ from one ``raw`` has read
+        only in their text (and usage counts), and whose text holds no quote,
+        backslash or control character: the bytes to send (``event`` itself if
+        unchanged), or ``None``: call ``raw``. Compares bytes and reads nothing
+        else, so most of a stream's events cost the switch a few comparisons."""
+        head = self._content_head
+        only = self._choices.get(0)
+        if head is not None and event.startswith(head):
+            if only.reasoning_sent and not only.boundary_sent:
+                return None  # the boundary goes before it
+            reasoning = False
+        else:
+            head = self._reasoning_head
+            if head is None or not event.startswith(head):
+                return None
+            reasoning = True
+        start = len(head)
+        end = event.find(b'"', start)  # the text's closing quote, if it is plain
+        if end <= start or _NOT_PLAIN_TEXT.search(event, start, end) is not None:
+            return None
+        if not (event.isascii() or _utf8(event[start:end])):
+            return None
+        middle = self._usage_middle
+        if middle is not None:
+            usage_start = end + len(middle)
+            usage = _USAGE.fullmatch(event, usage_start, len(event) - 3)
+            if (
+                usage is None
+                or not event.startswith(middle, end)
+                or not event.endswith(b"}" + SSE_END)
+            ):
+                return None
+            text = event[start:end]
+            head = event[len(SSE_DATA) : start]
+            return self._with_usage(only, reasoning, head, text, usage, event)
+        tail = self._tail
+        if tail is None or len(event) - end != len(tail) or not event.endswith(tail):
+            return None
+        if not reasoning:
+            return event
+        only.reasoning_sent = True
+        text = event[start:end]
+        return event[:end] + b'","reasoning_content":"' + text + event[end:]
 
     def chunk(self, payload: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The payloads to send for ``payload``, or ``None``: send it as it came."""
