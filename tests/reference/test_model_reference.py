@@ -335,3 +335,41 @@ def test_attn_res_layer_plan():
     assert ref.attn_res_layer(11, 12) == (False, 0, 1)
     assert ref.attn_res_layer(12, 12) == (True, 1, 1)
     assert ref.attn_res_layer(13, 12) == (False, 1, 2)
+
+
+@pytest.mark.parametrize(("layers", "block_size"), [(6, 2), (7, 3), (9, 1), (5, 12)])
+def test_attn_res_stack_split_into_stages_equals_the_whole(layers, block_size):
+    """Pipeline stages: the carry handed on as vLLM's intermediate tensors (the
+    partial sum, the bank stacked ``[T, blocks, D]``) and picked up by the next
+    stage gives the whole stack's output, at every stage boundary; the bank holds
+    ``blocks_before(boundary)`` vectors there."""
+    dim = 8
+    torch.manual_seed(layers * 31 + block_size)
+    embedding = torch.randn(3, dim, dtype=torch.float64)
+    sites = [(layer, kind) for layer in range(layers) for kind in ("attn", "mlp")]
+    weights = {
+        site: (torch.rand(dim, dtype=torch.float64), torch.randn(1, dim).double())
+        for site in [*sites, "final"]
+    }
+    attn_w = [torch.randn(dim, dim, dtype=torch.float64) / dim for _ in range(layers)]
+    mlp_w = [torch.randn(dim, dim, dtype=torch.float64) / dim for _ in range(layers)]
+    parts = {
+        "attn": lambda layer, x: torch.tanh(x @ attn_w[layer]),
+        "mlp": lambda layer, x: torch.tanh(x @ mlp_w[layer]),
+        "mix": lambda site, sources: ref.attn_res_mix(
+            sources, *weights[site], eps=1e-5
+        ),
+    }
+    whole = ref.attn_res_forward(embedding, layers, block_size, **parts)
+    for boundary in range(1, layers):
+        first = ref.attn_res_layers(
+            ref.AttnResCarry([], embedding), range(boundary), block_size, **parts
+        )
+        sent = torch.stack(first.bank, dim=1)
+        assert sent.shape == (3, ref.blocks_before(boundary, block_size), dim)
+        received = ref.AttnResCarry(list(sent.unbind(1)), first.partial)
+        second = ref.attn_res_layers(
+            received, range(boundary, layers), block_size, **parts
+        )
+        split = parts["mix"]("final", [*second.bank, second.partial])
+        assert torch.equal(split, whole), f"boundary before layer {boundary}"

@@ -11,8 +11,11 @@ block vectors and a partial sum (``reference.attn_res_forward``, the single stat
 of that bookkeeping). KDA layers keep mamba-style state in vLLM's hybrid cache, MLA
 layers a paged latent cache.
 
-Pipeline parallelism is not offered: a stage boundary would have to carry the whole
-bank, not one hidden state. Tensor parallelism goes through vLLM's parallel layers.
+Pipeline parallelism (``SupportsPP``): each stage builds its own layers (vLLM's
+``make_layers``); a stage boundary carries the bank, stacked ``[T, blocks, D]`` as
+``residual``, and the partial sum as ``hidden_states`` (the intermediate tensors
+vLLM's in-tree K3 sends). The embedding lives on the first stage; the final mix, norm
+and LM head on the last. Tensor parallelism goes through vLLM's parallel layers.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.distributed import get_pp_group
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -34,9 +38,16 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsPP
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    is_pp_missing_parameter,
+    make_layers,
+)
 from vllm.platforms import current_platform
+from vllm.sequence import IntermediateTensors
 
+from vllm_k3_plugin.model import cpu_pipeline
 from vllm_k3_plugin.model.kda import (
     KdaAttention,
     kda_state_dtypes,
@@ -114,22 +125,34 @@ class DecoderLayer(nn.Module):
 
 
 class K3Model(nn.Module):
-    """``model.*``: embeddings, the layers, the final mix and norm."""
+    """``model.*``: embeddings, this stage's layers, the final mix and norm."""
 
     def __init__(self, *, vllm_config: VllmConfig, config, prefix: str = "") -> None:
         super().__init__()
         self.config = config
         hidden = config.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, hidden, prefix=f"{prefix}.embed_tokens"
+        pp = get_pp_group()
+        if pp.is_first_rank:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, hidden, prefix=f"{prefix}.embed_tokens"
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: DecoderLayer(
+                config, vllm_config, int(prefix.rpartition(".")[2]), prefix
+            ),
+            prefix=f"{prefix}.layers",
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, vllm_config, i, f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.output_attn_res_norm = RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.output_attn_res_proj = ResidualProjection(hidden)
+        if pp.is_last_rank:
+            self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
+            self.output_attn_res_norm = RMSNorm(hidden, eps=config.rms_norm_eps)
+            self.output_attn_res_proj = ResidualProjection(hidden)
+        else:
+            self.norm = PPMissingLayer()
+            self.output_attn_res_norm = PPMissingLayer()
+            self.output_attn_res_proj = PPMissingLayer()
 
     def mix(self, site, sources: list[torch.Tensor]) -> torch.Tensor:
         norm, proj = (self.get_submodule(name) for name in attn_res_site(site))
@@ -137,19 +160,56 @@ class K3Model(nn.Module):
             sources, norm.weight, proj.weight, norm.variance_epsilon
         )
 
-    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        hidden = ref.attn_res_forward(
-            embeddings,
-            len(self.layers),
+    def forward(
+        self,
+        embeddings: torch.Tensor | None,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        pp = get_pp_group()
+        if pp.is_first_rank:
+            carry = ref.AttnResCarry([], embeddings)
+        else:
+            carry = ref.AttnResCarry(
+                list(intermediate_tensors["residual"].unbind(1)),
+                intermediate_tensors["hidden_states"],
+            )
+        carry = ref.attn_res_layers(
+            carry,
+            range(self.start_layer, self.end_layer),
             self.config.attn_res_block_size,
             attn=lambda layer, x: self.layers[layer].attention(x),
             mlp=lambda layer, x: self.layers[layer].feed_forward(x),
             mix=self.mix,
         )
-        return self.norm(hidden)
+        if not pp.is_last_rank:
+            return IntermediateTensors(
+                {
+                    "hidden_states": carry.partial,
+                    "residual": torch.stack(carry.bank, dim=1),
+                }
+            )
+        return self.norm(self.mix("final", [*carry.bank, carry.partial]))
+
+    def make_empty_intermediate_tensors(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        """The buffers this stage receives into: the partial sum and the block
+        vectors stored before its first layer."""
+        hidden = self.config.hidden_size
+        blocks = ref.blocks_before(self.start_layer, self.config.attn_res_block_size)
+        return IntermediateTensors(
+            {
+                "hidden_states": torch.zeros(
+                    batch_size, hidden, dtype=dtype, device=device
+                ),
+                "residual": torch.zeros(
+                    batch_size, blocks, hidden, dtype=dtype, device=device
+                ),
+            }
+        )
 
 
-class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
+class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
     """The K3 text model (``kimi_linear`` config)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -159,12 +219,20 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.model = K3Model(
             vllm_config=vllm_config, config=config, prefix=_join(prefix, "model")
         )
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head")
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head")
+            )
+        else:
+            self.lm_head = PPMissingLayer()
+        self.make_empty_intermediate_tensors = (
+            self.model.make_empty_intermediate_tensors
         )
         self.logits_processor = LogitsProcessor(config.vocab_size)
         if not prefix:
             _report_class(self, config)
+        if current_platform.is_cpu() and get_pp_group().world_size > 1:
+            cpu_pipeline.install()
         _note_quantization(vllm_config)
         require_eager_on_gpus(vllm_config, on_gpu=current_platform.is_cuda_alike())
 
@@ -178,10 +246,10 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
         intermediate_tensors=None,
         inputs_embeds: torch.Tensor | None = None,
         **kwargs: object,
-    ) -> torch.Tensor:
-        if inputs_embeds is None:
+    ) -> torch.Tensor | IntermediateTensors:
+        if get_pp_group().is_first_rank and inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
-        return self.model(inputs_embeds)
+        return self.model(inputs_embeds, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -221,9 +289,16 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
         loaded_experts: set[str] = set()
         halves = Mxfp4Halves()
         unknown: list[str] = []
+        # Tensors of layers and heads another pipeline stage holds.
+        elsewhere = {
+            name for name in (*dense, *experts) if is_pp_missing_parameter(name, self)
+        }
         for name, tensor in weights:
+            stem = name.rpartition(".")[0]
+            if name in elsewhere or stem in elsewhere:
+                continue
             if name.endswith(MXFP4_SUFFIXES):
-                if name.rpartition(".")[0] not in experts:
+                if stem not in experts:
                     unknown.append(name)
                     continue
                 pair = halves.add(name, tensor)
@@ -250,7 +325,9 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
         unpaired = halves.unpaired()
         if unpaired is not None:
             raise MissingWeightsError(unpaired)
-        missing = sorted((set(dense) - loaded) | (set(experts) - loaded_experts))
+        missing = sorted(
+            ((set(dense) - loaded) | (set(experts) - loaded_experts)) - elsewhere
+        )
         if missing:
             raise MissingWeightsError(
                 f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
@@ -267,7 +344,7 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return loaded
 
 
-class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid):
+class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid, SupportsPP):
     """The published checkpoint: ``kimi_k3`` config, text model under
     ``language_model.``. Only the text path is served; vision inputs are not
     accepted and the vision weights are skipped."""
@@ -279,6 +356,9 @@ class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid):
         )
         if not prefix:
             _report_class(self, self.language_model.config)
+        self.make_empty_intermediate_tensors = (
+            self.language_model.make_empty_intermediate_tensors
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)

@@ -128,6 +128,50 @@ def attn_res_layer(layer: int, block_size: int) -> AttnResLayer:
     )
 
 
+class AttnResCarry(NamedTuple):
+    """What the layer stack hands on between layers (and pipeline stages): the
+    block vectors stored so far and the partial sum, each ``[T, D]``."""
+
+    bank: list[torch.Tensor]
+    partial: torch.Tensor
+
+
+def blocks_before(layer: int, block_size: int) -> int:
+    """Block vectors stored before ``layer`` runs: what a pipeline stage starting
+    at ``layer`` receives."""
+    return attn_res_layer(layer, block_size).blocks_before
+
+
+def attn_res_layers(
+    carry: AttnResCarry,
+    layers: range,
+    block_size: int,
+    *,
+    attn,
+    mlp,
+    mix,
+) -> AttnResCarry:
+    """Layers ``layers`` of the stack with attention residuals, kept as vLLM keeps
+    them: a bank of block vectors and a partial sum ``P``.
+
+    ``attn(layer, x)`` and ``mlp(layer, x)`` are the sublayers (input norms included);
+    ``mix(site, sources)`` mixes with the weights of ``site`` — ``(layer, "attn")``
+    or ``(layer, "mlp")``. Returns the carry after the last of ``layers``.
+    """
+    bank = list(carry.bank)
+    partial = carry.partial
+    for layer in layers:
+        plan = attn_res_layer(layer, block_size)
+        if plan.writes_block:
+            bank.append(partial)
+        x = mix((layer, "attn"), [*bank[: plan.blocks_before], partial])
+        out = attn(layer, x)
+        partial = out if plan.writes_block else partial + out
+        blocks = plan.blocks_before + (1 if plan.writes_block else 0)
+        partial = partial + mlp(layer, mix((layer, "mlp"), [*bank[:blocks], partial]))
+    return AttnResCarry(bank, partial)
+
+
 def attn_res_forward(
     embedding: torch.Tensor,
     num_layers: int,
@@ -137,27 +181,14 @@ def attn_res_forward(
     mlp,
     mix,
 ) -> torch.Tensor:
-    """The layer stack with attention residuals, kept as vLLM keeps it: a bank of
-    block vectors and a partial sum ``P``.
-
-    ``attn(layer, x)`` and ``mlp(layer, x)`` are the sublayers (input norms included);
-    ``mix(site, sources)`` mixes with the weights of ``site`` — ``(layer, "attn")``,
-    ``(layer, "mlp")`` or ``"final"``. Returns the final mix (before the final norm).
-    """
-    bank: list[torch.Tensor] = []
-    partial = embedding
-    delta: torch.Tensor | None = None
-    for layer in range(num_layers):
-        plan = attn_res_layer(layer, block_size)
-        if delta is not None:
-            partial = partial + delta
-        if plan.writes_block:
-            bank.append(partial)
-        x = mix((layer, "attn"), [*bank[: plan.blocks_before], partial])
-        out = attn(layer, x)
-        partial = out if plan.writes_block else partial + out
-        blocks = plan.blocks_before + (1 if plan.writes_block else 0)
-        delta = mlp(layer, mix((layer, "mlp"), [*bank[:blocks], partial]))
-    if delta is not None:
-        partial = partial + delta
-    return mix("final", [*bank, partial])
+    """The whole stack (``attn_res_layers`` from the embedding), then the final mix
+    (``mix("final", ...)``, before the final norm)."""
+    carry = attn_res_layers(
+        AttnResCarry([], embedding),
+        range(num_layers),
+        block_size,
+        attn=attn,
+        mlp=mlp,
+        mix=mix,
+    )
+    return mix("final", [*carry.bank, carry.partial])

