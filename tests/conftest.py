@@ -134,13 +134,6 @@ def tiny_k3_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def k3_reference_model(tiny_k3_checkpoint):
     """The plain-PyTorch K3 text model, fp32, loaded from the tiny checkpoint."""
-    import json
+    from tests.support.model_checks import load_reference_model
 
-    from safetensors.torch import load_file
-
-    from vllm_k3_plugin.reference.torch_model import K3TextModel
-
-    config = json.loads((tiny_k3_checkpoint / "config.json").read_text())
-    model = K3TextModel(config["text_config"])
-    model.load_weights(load_file(str(tiny_k3_checkpoint / "model.safetensors")).items())
-    return model.float().eval()
+    return load_reference_model(tiny_k3_checkpoint)

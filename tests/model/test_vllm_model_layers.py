@@ -22,7 +22,7 @@ from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import WeightShapeError
 
 
-def engine_config(checkpoint):
+def engine_config(checkpoint, **extra):
     """The config ``vllm serve`` builds for the tests' fp32 tiny-K3 server."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -33,6 +33,7 @@ def engine_config(checkpoint):
         max_model_len=512,
         enable_prefix_caching=False,
         hf_overrides={"quantization_config": None},
+        **extra,
     ).create_engine_config()
 
 
@@ -266,6 +267,175 @@ def test_kda_state_is_carried_across_chunks_and_steps(model, vllm_config):
         )
         at += size
     assert_close(torch.cat(pieces), whole, atol=1e-5, what="pieces", same_dtype=True)
+
+
+# -- KDA speculative verification -----------------------------------------------------
+
+DRAFTS = 3
+
+
+@pytest.fixture(scope="module")
+def spec_layer(tiny_k3_checkpoint, vllm_config, weights):
+    """The first KDA layer of the model built for ``DRAFTS`` n-gram draft tokens
+    (``vllm_config``: the process group it is built in)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
+
+    config = engine_config(
+        tiny_k3_checkpoint,
+        speculative_config={"method": "ngram", "num_speculative_tokens": DRAFTS,
+                            "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    )  # fmt: skip
+    with set_current_vllm_config(config):
+        model = KimiK3ForConditionalGeneration(vllm_config=config)
+        model.load_weights(weights.items())
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    return model.language_model.model.layers[0].self_attn, config
+
+
+def _spec_metadata(rows, tokens_of, slots, accepted, prefills=()):
+    """GDN metadata as vLLM's builder makes it for speculative rows (each ``rows[i]``
+    window tokens, state slots ``slots[i]``, ``accepted[i]`` kept last step) and,
+    after them in the batch, prefill rows ``(tokens, slot, initialized)``."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    spec_starts = [0, *torch.tensor(rows).cumsum(0).tolist()]
+    total = spec_starts[-1] + sum(count for count, _, _ in prefills)
+    spec_positions = [p for i, n in enumerate(rows) for p in tokens_of(i, n)]
+    rest = [p for p in range(total) if p not in set(spec_positions)]
+    mixed = bool(prefills)
+    prefill_starts = [0, *torch.tensor([n for n, _, _ in prefills]).cumsum(0).tolist()]
+    return GDNAttentionMetadata(
+        num_prefills=len(prefills),
+        num_prefill_tokens=len(rest),
+        num_decodes=0,
+        num_decode_tokens=0,
+        num_spec_decodes=len(rows),
+        num_spec_decode_tokens=spec_starts[-1],
+        num_actual_tokens=total,
+        has_initial_state=torch.tensor([i for _, _, i in prefills]) if mixed else None,
+        spec_query_start_loc=torch.tensor(spec_starts, dtype=torch.int32),
+        non_spec_query_start_loc=(
+            torch.tensor(prefill_starts, dtype=torch.int32) if mixed else None
+        ),
+        spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
+        non_spec_state_indices_tensor=(
+            torch.tensor([slot for _, slot, _ in prefills], dtype=torch.int32)
+            if mixed
+            else None
+        ),
+        spec_sequence_masks=torch.ones(len(rows), dtype=torch.bool),
+        spec_token_indx=torch.tensor(spec_positions, dtype=torch.int32),
+        non_spec_token_indx=torch.tensor(rest, dtype=torch.int32),
+        num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32),
+    )
+
+
+def _one_by_one(layer, vllm_config, prompt, tokens):
+    """The layer without drafts: the prompt prefilled, then each token decoded
+    alone; per token its output, the recurrent state and the conv history after."""
+    _fresh_cache(layer)
+    _kda_step(layer, vllm_config, prompt, [len(prompt)], [1], [False])
+    after = []
+    for t in range(len(tokens)):
+        out = _kda_step(layer, vllm_config, tokens[t : t + 1], [1], [1], [True])
+        conv, recurrent = layer._caches()
+        after.append((out[0], recurrent[1].clone(), conv[1].clone()))
+    return after
+
+
+@pytest.mark.parametrize("accepted", range(1, DRAFTS + 2))
+def test_a_verified_window_keeps_the_state_of_each_accepted_prefix(
+    spec_layer, model, vllm_config, accepted
+):
+    """One row verifies a window of the last token and ``DRAFTS`` drafts, then
+    the next step resumes after ``accepted`` of them: each window output, the state
+    and conv history it resumes from, and the next window's outputs equal feeding
+    the same tokens one by one (issue 29's must-show 2, every accepted count)."""
+    layer, spec_config = spec_layer
+    reference = model.language_model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(accepted)
+    prompt = torch.randn(7, 64, generator=gen)
+    window = torch.randn(DRAFTS + 1, 64, generator=gen)
+    following = torch.randn(DRAFTS + 1, 64, generator=gen)
+    slots = [[1, 2, 3, 4]]
+    history = layer.kernel - 1
+
+    _fresh_cache(layer, slots=5)
+    _kda_step(layer, spec_config, prompt, [len(prompt)], [slots[0][0]], [False])
+    verify = _spec_metadata([DRAFTS + 1], lambda i, n: range(n), slots, [1])
+    got = _run_kda(layer, spec_config, window, verify)
+
+    kept = window[:accepted]
+    want = _one_by_one(reference, vllm_config, prompt, torch.cat([kept, following]))
+    for t in range(DRAFTS + 1):
+        if t < accepted:
+            assert_close(got[t], want[t][0], atol=1e-5, what=f"window token {t}")
+    conv, recurrent = layer._caches()
+    state_slot = slots[0][accepted - 1]
+    assert_close(recurrent[state_slot], want[accepted - 1][1], atol=1e-5, what="state")
+    assert_close(
+        conv[slots[0][0], :, accepted - 1 : accepted - 1 + history],
+        want[accepted - 1][2],
+        atol=1e-6,
+        what="conv history",
+    )
+    resume = _spec_metadata([DRAFTS + 1], lambda i, n: range(n), slots, [accepted])
+    got = _run_kda(layer, spec_config, following, resume)
+    for t in range(DRAFTS + 1):
+        assert_close(got[t], want[accepted + t][0], atol=1e-5, what=f"next {t}")
+
+
+def test_a_batch_of_windows_and_a_prefill_gives_what_each_gives_alone(
+    spec_layer, vllm_config
+):
+    """vLLM puts speculative rows first and gathers the others' tokens by index: a
+    window, a prefill and a shorter window in one step give each row's output
+    alone, and the prefill's state lands in its slot."""
+    layer, spec_config = spec_layer
+    gen = torch.Generator().manual_seed(11)
+    prompt_a, prompt_b = (
+        torch.randn(5, 64, generator=gen),
+        torch.randn(4, 64, generator=gen),
+    )
+    window_a, window_b = (
+        torch.randn(4, 64, generator=gen),
+        torch.randn(2, 64, generator=gen),
+    )
+    prefill = torch.randn(6, 64, generator=gen)
+    slots = [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+    def primed():
+        _fresh_cache(layer, slots=10)
+        _kda_step(layer, spec_config, prompt_a, [5], [1], [False])
+        _kda_step(layer, spec_config, prompt_b, [4], [5], [False])
+
+    primed()
+
+    def first(i, n):
+        return range(n)
+
+    window_a_alone = _spec_metadata([4], first, slots[:1], [1])
+    alone_a = _run_kda(layer, spec_config, window_a, window_a_alone)
+    window_b_alone = _spec_metadata([2], first, slots[1:], [1])
+    alone_b = _run_kda(layer, spec_config, window_b, window_b_alone)
+    alone_prefill = _kda_step(layer, spec_config, prefill, [6], [9], [False])
+    state_alone = layer._caches()[1][9].clone()
+
+    primed()
+    # Batch order: window a, the prefill, window b (vLLM gathers by index).
+    hidden = torch.cat([window_a, prefill, window_b])
+    positions = {0: range(0, 4), 1: range(10, 12)}
+    metadata = _spec_metadata(
+        [4, 2], lambda i, n: positions[i], slots, [1, 1], prefills=[(6, 9, False)]
+    )
+    got = _run_kda(layer, spec_config, hidden, metadata)
+    assert_close(got[0:4], alone_a, atol=1e-6, what="window a")
+    assert_close(got[4:10], alone_prefill, atol=1e-6, what="prefill")
+    assert_close(got[10:12], alone_b, atol=1e-6, what="window b")
+    assert_close(layer._caches()[1][9], state_alone, atol=1e-6, what="prefill state")
 
 
 def test_the_joined_conv_weight_is_made_once_and_follows_a_reload(model):

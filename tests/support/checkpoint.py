@@ -59,3 +59,40 @@ def write_tiny_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
     marker_path.write_text(marker)
     return out_dir
+
+
+# The output projections of every sublayer: attention (KDA and MLA), the dense MLP,
+# the MoE's latent up-projection and its shared experts.
+SUBLAYER_OUTPUTS = (
+    "self_attn.o_proj.weight",
+    "mlp.down_proj.weight",
+    "routed_expert_up_proj.weight",
+    "shared_experts.down_proj.weight",
+)
+
+
+def write_repeating_k3_checkpoint(
+    out_dir: Path, *, sublayer_scale: float = 0.3
+) -> Path:
+    """The tiny Kimi-K3 checkpoint (``tools.tiny``) changed so that its greedy
+    output repeats itself, for n-gram drafts to be proposed and accepted: the LM
+    head is the embedding (a token's own logit stands out) and every sublayer's
+    output projection is scaled by ``sublayer_scale``, so that the embedding leads
+    the final mix while the KDA, MLA and MoE layers still move every logprob."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_k3_plugin.reference.checkpoint_format import LANGUAGE_MODEL_PREFIX
+    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
+
+    out_dir = write_tiny_k3_checkpoint(Path(out_dir))
+    path = out_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    model = LANGUAGE_MODEL_PREFIX + "model."
+    tensors[LANGUAGE_MODEL_PREFIX + "lm_head.weight"] = tensors[
+        model + "embed_tokens.weight"
+    ].clone()
+    for name, tensor in tensors.items():
+        if name.endswith(SUBLAYER_OUTPUTS):
+            tensors[name] = (tensor.float() * sublayer_scale).to(tensor.dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return out_dir

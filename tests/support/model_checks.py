@@ -82,6 +82,20 @@ def greedy_concurrently(url: str, batch: list[list[int]]) -> list[Greedy]:
         return list(pool.map(lambda ids: greedy(url, ids), batch))
 
 
+def load_reference_model(checkpoint):
+    """The plain-PyTorch K3 text model, fp32, loaded from a K3 checkpoint folder."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from vllm_k3_plugin.reference.torch_model import K3TextModel
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    model = K3TextModel(config["text_config"])
+    model.load_weights(load_file(str(checkpoint / "model.safetensors")).items())
+    return model.float().eval()
+
+
 def reference_logprobs(model, ids: list[int], generated: list[int]) -> Greedy:
     """What the reference model gives for ``ids`` then ``generated``, in one pass."""
     with torch.no_grad():

