@@ -606,7 +606,11 @@ _USAGES = st.builds(
     ]),
 )  # fmt: skip
 _CHUNKS_WITH_USAGE = st.builds(
-    lambda chunk, usage: {**chunk, "usage": usage}, _CHUNKS, _USAGES
+    lambda chunk, usage, after: {**chunk, "usage": usage, **after},
+    _CHUNKS,
+    _USAGES,
+    # What vLLM 0.33 writes after the usage.
+    st.sampled_from([{}, {"kv_transfer_params": None}]),
 )
 
 
@@ -736,7 +740,8 @@ def test_continuous_usage_asked_for_rides_on_every_frame_with_the_cached_count()
 
 
 def _with_usage(frame, completion, reasoning):
-    """``frame`` with continuous usage as vLLM writes it (its field order)."""
+    """``frame`` with continuous usage as vLLM 0.33 writes it (its field order,
+    and the null after the usage)."""
     return {
         **frame,
         "usage": {
@@ -745,6 +750,7 @@ def _with_usage(frame, completion, reasoning):
             "completion_tokens": completion,
             "completion_tokens_details": {"reasoning_tokens": reasoning},
         },
+        "kv_transfer_params": None,
     }
 
 

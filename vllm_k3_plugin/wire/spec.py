@@ -83,15 +83,16 @@ _USAGE = re.compile(
     + rb"\}))?\}"
 )  # fmt: skip
 # A one-choice chunk with continuous usage, exactly as vLLM writes it: the choice
-# ends in its nulls (``token_ids`` on 0.32), the usage comes last. Groups: what
-# precedes the text (its kind in 2), the text, what follows it up to the usage,
-# the usage (``_USAGE``).
+# ends in its nulls (``token_ids`` on 0.32), the usage follows, then only nulls
+# (``kv_transfer_params`` on 0.33). Groups: what precedes the text (its kind in 2),
+# the text, what follows it up to the usage, the usage (``_USAGE``), and ``after``.
 _ONE_PIECE_WITH_USAGE = re.compile(
     rb'(\{(?:(?!"(?:choices|prompt_token_ids)")"[a-z_]++":(?:' + _STRING + rb"|"
     + _NUMBER + rb'|null),)*+"choices":\[\{"index":0,"delta":\{"(reasoning|content)'
     rb'":")(' + _CHAR + rb'++)'
     rb'("\},"logprobs":null,"finish_reason":null(?:,"token_ids":null)?\}\],"usage":)'
-    rb"(" + _USAGE.pattern + rb")\}"
+    rb"(" + _USAGE.pattern + rb")"
+    rb'(?P<after>(?:,(?!"(?:choices|usage|prompt_token_ids)")"[a-z_]++":null)*+)\}'
 )  # fmt: skip
 # What the parsed path writes after such a chunk's text: the choice without its
 # token ids (the client did not ask for them).
@@ -290,6 +291,7 @@ class StreamRewrite:
     _content_head: bytes | None = None
     _tail: bytes | None = None
     _usage_middle: bytes | None = None
+    _usage_end: bytes | None = None
 
     @property
     def _plain(self) -> bool:
@@ -354,6 +356,7 @@ class StreamRewrite:
         else:
             self._content_head = head
         self._usage_middle = found.group(4)
+        self._usage_end = found["after"] + b"}" + SSE_END
         if not reasoning and state.boundary_due:
             return None
         usage = _USAGE.fullmatch(data, found.start(5), found.end(5))
@@ -393,7 +396,8 @@ class StreamRewrite:
         if reasoning:
             state.reasoning_sent = True
             text += b'","reasoning_content":"' + text
-        return SSE_DATA + head + text + _USAGE_MIDDLE + usage_bytes + b"}" + SSE_END
+        end = self._usage_end
+        return SSE_DATA + head + text + _USAGE_MIDDLE + usage_bytes + end
 
     def framed(self, event: bytes) -> bytes | None:
         """``raw`` on a whole event (``data: `` and its payload and the blank line),
@@ -421,12 +425,12 @@ class StreamRewrite:
             return None
         middle = self._usage_middle
         if middle is not None:
-            usage_start = end + len(middle)
-            usage = _USAGE.fullmatch(event, usage_start, len(event) - 3)
+            usage_end = len(event) - len(self._usage_end)
+            usage = _USAGE.fullmatch(event, end + len(middle), usage_end)
             if (
                 usage is None
                 or not event.startswith(middle, end)
-                or not event.endswith(b"}" + SSE_END)
+                or not event.endswith(self._usage_end)
             ):
                 return None
             text = event[start:end]
