@@ -47,7 +47,11 @@ class Greedy:
     """The text of each generated token."""
 
 
-def greedy(url: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> Greedy:
+def greedy(
+    url: str, ids: list[int], max_tokens: int = MAX_TOKENS, *, prompt_logprobs=True
+) -> Greedy:
+    """``prompt_logprobs=False``: none asked for (vLLM serves a request that asks
+    for them without its prefix cache)."""
     response = httpx.post(
         f"{url}/v1/completions",
         json={
@@ -57,20 +61,20 @@ def greedy(url: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> Greedy:
             "min_tokens": max_tokens,
             "temperature": 0,
             "logprobs": 5,
-            "prompt_logprobs": 1,
+            **({"prompt_logprobs": 1} if prompt_logprobs else {}),
             "return_token_ids": True,
         },
         timeout=300,
     )
     response.raise_for_status()
     choice = response.json()["choices"][0]
-    prompt = choice["prompt_logprobs"] or [None]
+    prompt = (choice.get("prompt_logprobs") if prompt_logprobs else None) or [None]
     return Greedy(
         tokens=choice["token_ids"],
         logprobs=choice["logprobs"]["token_logprobs"],
         prompt_logprobs=[
             entry[str(token)]["logprob"]
-            for entry, token in zip(prompt[1:], ids[1:], strict=True)
+            for entry, token in zip(prompt[1:], ids[1:], strict=prompt_logprobs)
         ],
         top=choice["logprobs"]["top_logprobs"],
         texts=choice["logprobs"]["tokens"],
