@@ -10,16 +10,19 @@ collector off (nothing sent is kept).
 
 Prints µs per token without and with the switch and their ratio, for a plain
 request, one that asked for the usage summary and one that asked for continuous
-usage (every frame then carries usage, which the switch parses and writes again).
-The app honours the request it is handed, as vLLM does: behind the switch a plain
-request is served with the usage summary the switch asks for.
+usage (every frame then carries usage, whose counts the switch reads and to which it
+adds the cached tokens). The app honours the request it is handed, as vLLM does:
+behind the switch a plain request is served with the usage summary the switch asks
+for.
 
 ``--served``: the same requests streamed from two real ``vllm serve`` processes of
 the tests' tiny checkpoint (outputs forced; on vLLM 0.33 the tests' stand-in
-engine), one with the switch, alternating, and the CPU time each API server process
-spends (all its threads, ``/proc/PID/task/*/schedstat``) divided by the tokens:
-what a deployment pays per streamed token, detokenizing, parsing and serving
-included, and the run-to-run spread beside it.
+engine), one with the switch as the README sets it up (with
+``--enable-prompt-tokens-details``, and each request upgraded to the usage summary:
+both are part of what is measured), alternating, and the CPU time each API server
+process spends (all its threads, ``/proc/PID/task/*/schedstat``) divided by the
+tokens: what a deployment pays per streamed token, detokenizing, parsing and
+serving included, and the run-to-run spread beside it.
 """
 
 from __future__ import annotations
@@ -146,18 +149,23 @@ def seconds(loop, app, options) -> float:
 
 def run_served(sizes: list[int], repeats: int) -> None:
     """The served comparison (``--served``): API server CPU time per token."""
-    import statistics
     import tempfile
     from pathlib import Path
 
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests.support
+    tokenizer = compare.load_tokenizer()
+    with tempfile.TemporaryDirectory(prefix="bench-wire-") as scratch:
+        _served_table(Path(scratch), tokenizer, sizes, repeats)
+
+
+def _served_table(root, tokenizer, sizes: list[int], repeats: int) -> None:
+    import statistics
+
     import httpx
 
-    sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests.support
     from tests.support.checkpoint import write_tiny_checkpoint
     from tests.support.server import running_server
 
-    tokenizer = compare.load_tokenizer()
-    root = Path(tempfile.mkdtemp(prefix="bench-wire-"))
     checkpoint = write_tiny_checkpoint(root / "k3-tiny")
     switch = ("--middleware", "vllm_k3_plugin.wire.MoonshotWireSpec",
               "--enable-prompt-tokens-details")  # fmt: skip
@@ -184,8 +192,10 @@ def run_served(sizes: list[int], repeats: int) -> None:
                 if options is not None:
                     body["stream_options"] = options
                 per_token = {key: [] for key in urls}
-                for _ in range(repeats):
-                    for key, url in urls.items():
+                for repeat in range(repeats):
+                    order = list(urls) if repeat % 2 == 0 else list(urls)[::-1]
+                    for key in order:
+                        url = urls[key]
                         before = cpu_nanoseconds(pids[key])
                         stream(httpx, url, body)
                         spent = cpu_nanoseconds(pids[key]) - before
@@ -211,7 +221,8 @@ def stream(httpx, url: str, body: dict) -> None:
 
 
 def api_server_pid(url: str) -> int:
-    """The process serving ``url``: the one started with its ``--port``."""
+    """The process serving ``url``: this process's child started with its
+    ``--port`` (a forked engine core keeps that command line, but is its child)."""
     port = url.rsplit(":", 1)[1].encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -219,22 +230,29 @@ def api_server_pid(url: str) -> int:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as file:
                 arguments = file.read().split(b"\0")
-        except OSError:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                parent = int(file.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if b"--port" in arguments and port in arguments:
+        if parent == os.getpid() and b"--port" in arguments and port in arguments:
             return int(entry)
-    raise RuntimeError(f"no process serves {url}")
+    raise RuntimeError(f"no child process of this one serves {url}")
 
 
 def cpu_nanoseconds(pid: int) -> int:
-    """CPU time of all the process's threads so far (the scheduler's count)."""
+    """CPU time of the process's threads so far (the scheduler's count, in ns; a
+    thread that ends between two readings takes its time with it)."""
     total = 0
+    read = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat") as file:
                 total += int(file.read().split()[0])
+            read += 1
         except (OSError, ValueError):
             continue  # a thread that ended meanwhile
+    if not read:
+        raise RuntimeError(f"no /proc/{pid}/task/*/schedstat to read (schedstats?)")
     return total
 
 
@@ -263,8 +281,9 @@ def main(argv=None) -> None:
         for name, options in CONFIGURATIONS.items():
             best = {"without": float("inf"), "with": float("inf")}
             served = {"without": app, "with": MoonshotWireSpec(app)}
-            for _ in range(args.repeats):
-                for key in best:
+            for repeat in range(args.repeats):
+                order = list(best) if repeat % 2 == 0 else list(best)[::-1]
+                for key in order:
                     elapsed = seconds(loop, served[key], options)
                     best[key] = min(best[key], elapsed)
             without, with_ = (best[k] / len(ids) * 1e6 for k in ("without", "with"))
@@ -272,6 +291,7 @@ def main(argv=None) -> None:
                 f"| {name} | {size} | {len(ids)} | {without:.2f} | {with_:.2f} "
                 f"| {with_ / without:.3f} |"
             )
+    gc.enable()
     loop.close()
 
 

@@ -388,6 +388,42 @@ def test_a_verified_window_keeps_the_state_of_each_accepted_prefix(
         assert_close(got[t], want[accepted + t][0], atol=1e-5, what=f"next {t}")
 
 
+@pytest.mark.parametrize(
+    ("first", "accepted", "second"), [(1, 1, 4), (2, 2, 1), (3, 2, 2)]
+)
+def test_short_windows_write_and_resume_as_the_long_ones(
+    spec_layer, model, vllm_config, first, accepted, second
+):
+    """Windows shorter than ``DRAFTS + 1`` (a step that drafted fewer tokens, or
+    none): the state after the accepted ones is kept as after a full window, and
+    the next window, of any length, resumes from it."""
+    layer, spec_config = spec_layer
+    reference = model.language_model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(first * 10 + second)
+    prompt = torch.randn(5, 64, generator=gen)
+    window = torch.randn(first, 64, generator=gen)
+    following = torch.randn(second, 64, generator=gen)
+    slots = [[1, 2, 3, 4]]
+
+    _fresh_cache(layer, slots=5)
+    _kda_step(layer, spec_config, prompt, [len(prompt)], [slots[0][0]], [False])
+    got_first = _run_kda(
+        layer, spec_config, window,
+        _spec_metadata([first], lambda i, n: range(n), slots, [1]),
+    )  # fmt: skip
+    got_second = _run_kda(
+        layer, spec_config, following,
+        _spec_metadata([second], lambda i, n: range(n), slots, [accepted]),
+    )  # fmt: skip
+    want = _one_by_one(
+        reference, vllm_config, prompt, torch.cat([window[:accepted], following])
+    )
+    for t in range(accepted):
+        assert_close(got_first[t], want[t][0], atol=1e-5, what=f"window token {t}")
+    for t in range(second):
+        assert_close(got_second[t], want[accepted + t][0], atol=1e-5, what=f"next {t}")
+
+
 def test_a_batch_of_windows_and_a_prefill_gives_what_each_gives_alone(
     spec_layer, vllm_config
 ):

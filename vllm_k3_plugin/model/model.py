@@ -7,7 +7,7 @@
   tower and projector weights are recognised and skipped with one log line.
 
 The layer stack has no additive residual stream: attention residuals keep a bank of
-block vectors and a partial sum (``reference.attn_res_forward``, the single statement
+block vectors and a partial sum (``reference.attn_res_layers``, the single statement
 of that bookkeeping). KDA layers keep mamba-style state in vLLM's hybrid cache, MLA
 layers a paged latent cache.
 
