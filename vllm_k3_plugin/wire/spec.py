@@ -60,10 +60,10 @@ _CHAR = rb'(?:[^"\\\x00-\x1f]++|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 _STRING = rb'"' + _CHAR + rb'*+"'
 _NONEMPTY_STRING = rb'"' + _CHAR + rb'++"'
 _NUMBER = rb"(?:0|-?[1-9][0-9]*+|-0)"
-# What may not stand in a piece's text for it to be read as the bytes around it
-# say (``StreamRewrite.framed``): a quote or a backslash (escapes go the regex's
-# way) and what JSON refuses unescaped.
-_NOT_PLAIN_TEXT = re.compile(rb'["\\\x00-\x1f]')
+# A piece's text that can be read as the bytes around it say (``StreamRewrite.framed``),
+# and its closing quote: no quote or backslash (escapes go the regex's way), nothing
+# JSON refuses unescaped.
+_PLAIN_TEXT = re.compile(rb'[^"\\\x00-\x1f]++"')
 # A server-sent event as vLLM writes one a message (P0.6).
 SSE_DATA = b"data: "
 SSE_END = b"\n\n"
@@ -418,9 +418,10 @@ class StreamRewrite:
                 return None
             reasoning = True
         start = len(head)
-        end = event.find(b'"', start)  # the text's closing quote, if it is plain
-        if end <= start or _NOT_PLAIN_TEXT.search(event, start, end) is not None:
+        text_and_quote = _PLAIN_TEXT.match(event, start)
+        if text_and_quote is None:
             return None
+        end = text_and_quote.end() - 1
         if not (event.isascii() or _utf8(event[start:end])):
             return None
         middle = self._usage_middle
