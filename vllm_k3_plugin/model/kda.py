@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import VllmConfig
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
@@ -230,6 +231,14 @@ class KdaAttention(nn.Module, MambaBase):
             width, hidden, bias=False, prefix=f"{prefix}.o_proj"
         )
 
+        # The delta rule reads the batch's layout on the host (``host_batch``,
+        # ``spec_batch``): where vLLM's breakable CUDA graphs break, running it
+        # eagerly into the captured ``out`` on replay. A decode-only step on the
+        # kernels reads nothing back (``_decode_only``), so full decode graphs hold
+        # it whole (the decorator runs it in place there). vLLM decides from
+        # VLLM_USE_BREAKABLE_CUDAGRAPH, set while it builds its config: read when
+        # the model is built, not when this module is imported.
+        self._recurrence = eager_break_during_capture(self._recur)
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -263,7 +272,7 @@ class KdaAttention(nn.Module, MambaBase):
             dtype=torch.float32,
             device=hidden_states.device,
         )
-        self._recur(torch.cat([q, k, v], dim=-1), decay, beta, core)
+        self._recurrence(torch.cat([q, k, v], dim=-1), decay, beta, core)
         gate = torch.sigmoid(self.g_proj(hidden_states)[0].float())
         normed = ref.rms_norm(core, self.o_norm.weight, self.o_norm.variance_epsilon)
         out = normed * gate.reshape(tokens, self.local_heads, self.head_dim)

@@ -449,11 +449,11 @@ def _note_quantization(vllm_config: VllmConfig) -> None:
 
 
 def require_eager_on_gpus(vllm_config: VllmConfig, *, on_gpu: bool) -> None:
-    """CUDA graphs are refused at load, not discovered at capture: a batch with
-    prefills walks its sequences on the host (the KDA layers read the batch's
-    spans back once a step), so piecewise graphs over mixed batches cannot hold
-    it; the decode-only paths read nothing back, but no capture of the whole
-    model has run on a GPU yet."""
+    """CUDA graphs are refused at load, not discovered at capture. Checked so far,
+    on the CPU with vLLM's breakable capture stood in for: a KDA layer breaks a
+    breakable graph only at its delta rule (which reads the batch's layout on the
+    host), and its decode step on the kernels fits a full graph whole. Not yet: a
+    whole decode step of the model under either form, and any capture on a GPU."""
     mode = vllm_config.compilation_config.cudagraph_mode
     if on_gpu and mode is not None and mode != CUDAGraphMode.NONE:
         raise ValueError(
