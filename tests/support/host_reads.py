@@ -37,9 +37,18 @@ class HostRead(AssertionError):
     pass
 
 
-class _Watch(TorchDispatchMode):
+class HostReadWatch(TorchDispatchMode):
+    """The watch ``no_host_reads`` keeps; while ``active`` is false it lets every
+    operation through (a stand-in graph capture's eager breaks)."""
+
+    def __init__(self, active: bool = True) -> None:
+        super().__init__()
+        self.active = active
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.active:
+            return func(*args, **kwargs)
         name = func.overloadpacket._qualified_op_name.replace("::", ".")
         sized_repeat = name == "aten.repeat_interleave" and (
             func._overloadname == "self_int" or kwargs.get("output_size") is not None
@@ -61,15 +70,19 @@ class _Watch(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def no_host_reads():
+def no_host_reads(watch: HostReadWatch | None = None):
+    """Fail host reads in the block (while ``watch``, if given, is active)."""
+    watch = watch if watch is not None else HostReadWatch()
     original_tolist = torch.Tensor.tolist
 
     def tolist(self):
-        raise HostRead(".tolist() reads device values on the host")
+        if watch.active:
+            raise HostRead(".tolist() reads device values on the host")
+        return original_tolist(self)
 
     torch.Tensor.tolist = tolist
     try:
-        with _Watch():
-            yield
+        with watch:
+            yield watch
     finally:
         torch.Tensor.tolist = original_tolist

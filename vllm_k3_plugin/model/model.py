@@ -449,11 +449,11 @@ def _note_quantization(vllm_config: VllmConfig) -> None:
 
 
 def require_eager_on_gpus(vllm_config: VllmConfig, *, on_gpu: bool) -> None:
-    """CUDA graphs are refused at load, not discovered at capture. Checked so far,
-    on the CPU with vLLM's breakable capture stood in for: a KDA layer breaks a
-    breakable graph only at its delta rule (which reads the batch's layout on the
-    host), and its decode step on the kernels fits a full graph whole. Not yet: a
-    whole decode step of the model under either form, and any capture on a GPU."""
+    """CUDA graphs are refused at load, not discovered at capture. Checked on the
+    CPU with vLLM's breakable capture stood in for (docs/model_class.md): on the
+    kernels every forward breaks only at the MLA and KDA layers and reads nothing
+    back between them, and a KDA decode step fits a full graph whole. Not yet: any
+    capture and replay on a GPU."""
     mode = vllm_config.compilation_config.cudagraph_mode
     if on_gpu and mode is not None and mode != CUDAGraphMode.NONE:
         raise ValueError(

