@@ -4,12 +4,15 @@ interpreter, as the class runs on GPUs) whose worker runs every forward, prefill
 decode, inside vLLM's ``BreakableCUDAGraphCapture`` with its graph segments replaced
 by the host-read watch (``support.graph_standin``). vLLM's MLA attention and the
 plugin's KDA delta rule are the eager breaks (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``,
-as vLLM sets it for K3 on NVIDIA); everything between them must read nothing back
-from the device. The served tokens and logprobs equal those of the same server
-without the stand-in.
+as vLLM sets it for ``KimiK3ForConditionalGeneration`` on NVIDIA); the model's own
+code between them must read nothing back from the device. The served tokens and
+logprobs equal those of the same server without the stand-in.
 
 What this cannot show: a real capture and replay (static buffers, replayed eager
-segments) — that takes a GPU.
+segments, host-to-device copies, code that runs on GPUs only); and the bodies of
+registered custom ops inside segments go unwatched (``host_reads``): here vLLM's
+MLA KV-cache write, whose CPU form (``K3CpuMlaImpl.do_kv_cache_update``) does read
+the host, where a GPU runs vLLM's ``concat_and_cache_mla``.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def stand_in_results(tiny_k3_checkpoint, logs, eager_results):
         return [greedy(url, ids, MAX_TOKENS) for ids in prompts()[:5]]
 
 
-def test_every_forward_breaks_only_at_attention_and_reads_nothing_between(
+def test_every_forward_breaks_only_at_attention_and_the_rest_reads_nothing(
     stand_in_results, logs
 ):
     from tests.support.graph_standin_worker import REPORT
@@ -69,9 +72,9 @@ def test_every_forward_breaks_only_at_attention_and_reads_nothing_between(
     expected = (BREAKS_PER_FORWARD + 1, BREAKS_PER_FORWARD)
     others = sorted({(int(g), int(b)) for g, b in counts} - {expected})
     assert not others, f"forwards with other (segments, breaks): {others}"
-    faults = [
-        line for line in log.splitlines() if "HostRead" in line or "Traceback" in line
-    ]
+    # Not "Traceback": stopping the server (SIGTERM to its workers) may print one.
+    # A forward that read the host failed its request, and the results fixture.
+    faults = [line for line in log.splitlines() if "HostRead" in line]
     assert not faults, "\n".join(faults[:20])
 
 

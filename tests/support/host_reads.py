@@ -8,7 +8,10 @@ output size depends on the values (``nonzero``, ``unique``, boolean masks read o
 written, ``repeat_interleave`` by a tensor of counts without an output size,
 ``bincount``, whose length is the largest value). It works on the CPU too, so the GPU
 paths' host reads are found where the tests run; a ``.cpu()`` or ``.numpy()`` of a
-CPU tensor is no read there, and goes unseen.
+CPU tensor is no read there, and goes unseen. Nor is anything inside a registered
+custom op (vLLM's ``torch.ops.vllm.*``): the mode is off the dispatch stack while
+it dispatches one, so the op's body runs unwatched (``.tolist()`` alone, patched on
+the tensor class, is still caught there).
 """
 
 from __future__ import annotations

@@ -233,11 +233,12 @@ class KdaAttention(nn.Module, MambaBase):
 
         # The delta rule reads the batch's layout on the host (``host_batch``,
         # ``spec_batch``): where vLLM's breakable CUDA graphs break, running it
-        # eagerly into the captured ``out`` on replay. A decode-only step on the
-        # kernels reads nothing back (``_decode_only``), so full decode graphs hold
-        # it whole (the decorator runs it in place there). vLLM decides from
-        # VLLM_USE_BREAKABLE_CUDAGRAPH, set while it builds its config: read when
-        # the model is built, not when this module is imported.
+        # eagerly into the captured ``out`` on replay. In a FULL capture the
+        # decorator runs it in place: only a decode-only step on the kernels without
+        # draft tokens reads nothing back (``_decode_only``); ``_verify`` and the
+        # PyTorch path do. vLLM 0.32 decides from VLLM_USE_BREAKABLE_CUDAGRAPH, set
+        # while it builds its config: read when the model is built, not when this
+        # module is imported.
         self._recurrence = eager_break_during_capture(self._recur)
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:

@@ -451,8 +451,9 @@ def _note_quantization(vllm_config: VllmConfig) -> None:
 def require_eager_on_gpus(vllm_config: VllmConfig, *, on_gpu: bool) -> None:
     """CUDA graphs are refused at load, not discovered at capture. Checked on the
     CPU with vLLM's breakable capture stood in for (docs/model_class.md): on the
-    kernels every forward breaks only at the MLA and KDA layers and reads nothing
-    back between them, and a KDA decode step fits a full graph whole. Not yet: any
+    kernels every forward breaks only at the MLA and KDA layers and the model's own
+    code between them reads nothing back, and a KDA decode step without draft tokens
+    fits a full graph whole. Not yet: any
     capture and replay on a GPU."""
     mode = vllm_config.compilation_config.cudagraph_mode
     if on_gpu and mode is not None and mode != CUDAGraphMode.NONE:
