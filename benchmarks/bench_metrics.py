@@ -15,7 +15,7 @@ import argparse
 import gc
 import os
 
-from bench_reasoning import output_ids, time_stream
+from bench_reasoning import streamed_output, time_stream
 
 from vllm_k3_plugin.envs import METRICS_ENV
 from vllm_k3_plugin.tools import compare
@@ -35,9 +35,7 @@ def main(argv=None) -> None:
     print("|---:|---:|---:|---:|---:|")
     gc.disable()
     for size in args.sizes:
-        ids = output_ids(tokenizer, size)
-        deltas = compare.delta_texts(tokenizer, ids)
-        request = compare.chat_request(len(ids) + 16)
+        ids, deltas, request = streamed_output(tokenizer, size)
         best = {"0": float("inf"), "1": float("inf")}
         for _ in range(args.repeats):
             for setting in best:

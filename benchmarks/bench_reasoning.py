@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.reasoning import Channel, ReasoningReader, read_whole
@@ -65,6 +66,14 @@ def output_ids(tokenizer, n_think: int) -> list[int]:
         *tokenizer.encode(tail, add_special_tokens=False),
         vocab.END_OF_MSG_ID,
     ]
+
+
+def streamed_output(tokenizer, n_think: int) -> tuple[list[int], list[str], Any]:
+    """A think channel of about ``n_think`` tokens and the reply: its ids, the text
+    the incremental detokenizer hands over per token, and a request that fits it."""
+    ids = output_ids(tokenizer, n_think)
+    deltas = compare.delta_texts(tokenizer, ids)
+    return ids, deltas, compare.chat_request(len(ids) + 16)
 
 
 def time_stream(
@@ -132,9 +141,7 @@ class Bench:
         )
 
     def streaming(self, size: int) -> dict:
-        ids = output_ids(self.tokenizer, size)
-        deltas = compare.delta_texts(self.tokenizer, ids)
-        request = compare.chat_request(len(ids) + 16)
+        ids, deltas, request = streamed_output(self.tokenizer, size)
         ours, ours_tail = self.time_stream(self.ours, ids, deltas, request)
         # Best of two each, alternating: the ids/text ratio is the figure to trust.
         text_only, _ = self.time_stream(self.ours_text, ids, deltas, request)

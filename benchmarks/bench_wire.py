@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from bench_reasoning import output_ids
+from bench_reasoning import output_ids, streamed_output
 
 from vllm_k3_plugin.tools import compare
 from vllm_k3_plugin.wire import MoonshotWireSpec
@@ -274,9 +274,7 @@ def main(argv=None) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     gc.disable()
     for size in args.sizes:
-        ids = output_ids(tokenizer, size)
-        deltas = compare.delta_texts(tokenizer, ids)
-        chat_request = compare.chat_request(len(ids) + 16)
+        ids, deltas, chat_request = streamed_output(tokenizer, size)
         app = serving_app(ours, tokenizer, ids, deltas, chat_request, prompt)
         for name, options in CONFIGURATIONS.items():
             best = {"without": float("inf"), "with": float("inf")}
