@@ -392,15 +392,7 @@ class KdaAttention(nn.Module, MambaBase):
             mixed, _ = ref.causal_conv_silu(x, weight, prior)
             inputs = torch.cat([prior, x.T], dim=1)
             buffer[:, : history - 1 + count] = inputs[:, 1:].to(buffer.dtype)
-            shaped = (count, self.local_heads, self.head_dim)
-            q, k, v = (
-                part.reshape(shaped)
-                for part in mixed.contiguous().split(self.local_width, dim=-1)
-            )
-            u = decay[tokens].float() + self.dt_bias.float()
-            g = ref.kda_gate(u.reshape(shaped), self.A_log, self.lower_bound)
-            q = ref.l2_normalize(q) / self.head_dim**0.5
-            k = ref.l2_normalize(k)
+            q, k, v, g = self._delta_rule_inputs(mixed, decay[tokens])
             state = recurrent_cache[slots[skip]]
             outputs = []
             for t in range(count):
@@ -426,21 +418,13 @@ class KdaAttention(nn.Module, MambaBase):
     def _prefill(self, qkv, decay, beta, conv_weight, conv_state, state):
         """A window of one sequence's prefill: ``(o, conv state, state)`` after it,
         from those before it (``None``: a new sequence)."""
-        tokens = qkv.shape[0]
-        shaped = (tokens, self.local_heads, self.head_dim)
         mixed, conv_state = ref.causal_conv_silu(
             qkv.float(), conv_weight.float(), conv_state
         )
-        # Token-major, so each token's head rows are contiguous for the kernels.
-        q, k, v = (
-            part.reshape(shaped)
-            for part in mixed.contiguous().split(self.local_width, dim=-1)
-        )
-        u = decay.float() + self.dt_bias.float()
-        g = ref.kda_gate(u.reshape(shaped), self.A_log, self.lower_bound)
+        q, k, v, g = self._delta_rule_inputs(mixed, decay)
         o, state = kda_chunked(
-            ref.l2_normalize(q) / self.head_dim**0.5,
-            ref.l2_normalize(k),
+            q,
+            k,
             v,
             g,
             beta,
@@ -451,6 +435,20 @@ class KdaAttention(nn.Module, MambaBase):
             run_state_pass=self.run_state_pass,
         )
         return o, conv_state, state
+
+    def _delta_rule_inputs(self, mixed, decay):
+        """``(q, k, v, g)`` ``[T, heads, dim]`` of the delta rule from the conv's
+        output and the decay projection: ``q`` and ``k`` L2-normalized (``q`` scaled
+        by ``dim^-½``), ``g`` the log decay."""
+        shaped = (mixed.shape[0], self.local_heads, self.head_dim)
+        # Token-major, so each token's head rows are contiguous for the kernels.
+        q, k, v = (
+            part.reshape(shaped)
+            for part in mixed.contiguous().split(self.local_width, dim=-1)
+        )
+        u = decay.float() + self.dt_bias.float()
+        g = ref.kda_gate(u.reshape(shaped), self.A_log, self.lower_bound)
+        return ref.l2_normalize(q) / self.head_dim**0.5, ref.l2_normalize(k), v, g
 
     def _decode_only(self, qkv, conv_weight, decay, beta, out, metadata) -> None:
         """A batch of decodes only (vLLM classes a request's first chunk as a
