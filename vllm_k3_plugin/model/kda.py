@@ -16,7 +16,9 @@ three stay in PyTorch.
 
 With speculative decoding every decode is a speculative row: it verifies its window
 from the state its last step accepted and keeps the state after each window token
-(``KdaAttention._verify``, PyTorch, with or without the kernels).
+(``KdaAttention._windows``, PyTorch, with or without the kernels). Decode-only steps
+(windows, and single tokens) read nothing back from the device, so a full CUDA
+graph holds them; steps with prefills read the batch's layout once on the host.
 
 Heads shard over tensor parallelism; every rank keeps the state of its own heads.
 """
@@ -53,6 +55,8 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from k3_triton_kernels.kda.chunk_state import kda_state_pass
 from k3_triton_kernels.kda.chunk_terms import kda_chunk_terms
 from k3_triton_kernels.kda.decode import kda_decode
+from k3_triton_kernels.kda.naive import delta_rule_inputs
+from k3_triton_kernels.kda.windows import kda_windows
 from k3_triton_kernels.runtime import CHUNKED_KDA_MAX_CHUNK, log_path
 from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
 from vllm_k3_plugin.reference import reference as ref
@@ -98,32 +102,50 @@ def host_batch(metadata) -> HostBatch:
     return batch
 
 
-class SpecBatch(NamedTuple):
-    """The batch's speculative rows on the host: row ``i`` verifies the tokens at
-    batch positions ``tokens[starts[i]:starts[i + 1]]``, its state slots are
-    ``slots[i]`` (one per window position) and ``accepted[i]`` tokens of its last
-    step were kept (1 to ``k + 1``)."""
+class Windows(NamedTuple):
+    """Rows of a step taken together as windows of ``W`` token positions, all on the
+    device, in fixed shapes (a CUDA graph replays them with other values): row ``r``'s
+    token ``t`` is at batch position ``tokens[r, t]`` if ``valid[r, t]``; the
+    recurrent state after it goes to slot ``slots[r, t]``; the row starts from the
+    state in ``slots[r, skip[r]]`` and its conv history at column ``skip[r]`` of the
+    conv buffer in ``slots[r, 0]``."""
 
-    starts: list[int]
-    tokens: list[int]
-    slots: list[list[int]]
-    accepted: list[int]
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    slots: torch.Tensor
+    skip: torch.Tensor
 
 
-def spec_batch(metadata) -> SpecBatch:
-    """The GDN metadata's speculative rows, read back once a step (kept on the
-    metadata object the layers share)."""
-    cached = getattr(metadata, "_k3_spec_batch", None)
-    if cached is not None:
-        return cached
-    batch = SpecBatch(
-        starts=metadata.spec_query_start_loc.tolist(),
-        tokens=metadata.spec_token_indx.tolist(),
-        slots=metadata.spec_state_indices_tensor.tolist(),
-        accepted=metadata.num_accepted_tokens.tolist(),
+def speculative_windows(metadata, num_tokens: int, width: int) -> Windows:
+    """The speculative rows of vLLM's GDN metadata (``width`` = drafts + 1). A row
+    may hold fewer tokens (fewer drafts, or a padded row of a graph replay, which
+    holds none and points at vLLM's null block); its missing positions read a
+    clamped token and write nothing that a later step reads."""
+    starts = metadata.spec_query_start_loc.long()
+    rows = starts.shape[0] - 1
+    offsets = torch.arange(width, device=starts.device)
+    spec_tokens = metadata.spec_token_indx.long()
+    ordinal = (starts[:rows, None] + offsets).clamp(max=spec_tokens.shape[0] - 1)
+    return Windows(
+        tokens=spec_tokens[ordinal].clamp(0, num_tokens - 1),
+        valid=offsets < (starts[1:] - starts[:-1])[:, None],
+        slots=metadata.spec_state_indices_tensor[:rows, :width].long().clamp(min=0),
+        skip=metadata.num_accepted_tokens[:rows].long() - 1,
     )
-    metadata._k3_spec_batch = batch
-    return batch
+
+
+def decode_windows(metadata, num_tokens: int) -> Windows:
+    """A decode-only batch's rows as windows of one token (vLLM's GDN builder
+    counts a row as a decode only with one token), padded rows included."""
+    starts = metadata.non_spec_query_start_loc.long()
+    rows = starts.shape[0] - 1
+    slots = metadata.non_spec_state_indices_tensor[:rows].long().clamp(min=0)
+    return Windows(
+        tokens=starts[:rows, None].clamp(0, num_tokens - 1),
+        valid=(starts[1:] > starts[:-1])[:, None],
+        slots=slots[:, None],
+        skip=torch.zeros_like(slots),
+    )
 
 
 def kda_state_shapes(
@@ -131,7 +153,7 @@ def kda_state_shapes(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(conv state, recurrent state) shapes of one KDA layer on one rank, from the
     text config's ``linear_attn_config``; with ``num_spec`` draft tokens a step the
-    conv state keeps ``kernel - 1 + num_spec`` inputs (``KdaAttention._verify``)."""
+    conv state keeps ``kernel - 1 + num_spec`` inputs (``KdaAttention._windows``)."""
     return MambaStateShapeCalculator.kda_state_shape(
         tp_size,
         kda["num_heads"],
@@ -174,7 +196,7 @@ class KdaAttention(nn.Module, MambaBase):
         self.kernel = kda["short_conv_kernel_size"]
         self.num_spec = vllm_config.num_speculative_tokens
         # The decode kernel reads a conv state of ``kernel - 1`` inputs; with draft
-        # tokens it is wider, and every decode is a speculative row (``_verify``).
+        # tokens it is wider, and every decode is a speculative row (``_windows``).
         self.use_kernels = use_triton_kernels()
         if self.use_kernels and self.num_spec:
             log_path("KDA speculative verification", "PyTorch only")
@@ -231,14 +253,14 @@ class KdaAttention(nn.Module, MambaBase):
             width, hidden, bias=False, prefix=f"{prefix}.o_proj"
         )
 
-        # The delta rule reads the batch's layout on the host (``host_batch``,
-        # ``spec_batch``): where vLLM's breakable CUDA graphs break, running it
-        # eagerly into the captured ``out`` on replay. In a FULL capture the
-        # decorator runs it in place: only a decode-only step on the kernels without
-        # draft tokens reads nothing back (``_decode_only``); ``_verify`` and the
-        # PyTorch path do. vLLM 0.32 decides from VLLM_USE_BREAKABLE_CUDAGRAPH, set
-        # while it builds its config: read when the model is built, not when this
-        # module is imported.
+        # The delta rule of a step with prefills reads the batch's layout on the
+        # host (``host_batch``): where vLLM's breakable CUDA graphs break, running
+        # it eagerly into the captured ``out`` on replay. In a FULL capture (vLLM
+        # captures uniform decode batches only) the decorator runs it in place, and
+        # a decode-only step reads nothing back (``_decode_only``, ``_windows``).
+        # vLLM 0.32 decides from VLLM_USE_BREAKABLE_CUDAGRAPH, set while it builds
+        # its config: read when the model is built, not when this module is
+        # imported.
         self._recurrence = eager_break_during_capture(self._recur)
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
@@ -297,7 +319,8 @@ class KdaAttention(nn.Module, MambaBase):
             return
         conv_weight = self._conv_weight()
         if metadata.spec_sequence_masks is not None:
-            self._verify(qkv, conv_weight, decay, beta, out, metadata)
+            windows = speculative_windows(metadata, qkv.shape[0], self.num_spec + 1)
+            self._windows(qkv, conv_weight, decay, beta, out, windows)
             rest = metadata.non_spec_token_indx
             if rest is None or rest.numel() == 0:
                 return
@@ -309,7 +332,7 @@ class KdaAttention(nn.Module, MambaBase):
             )
             out[rest] = gathered
             return
-        if self.use_kernels and not self.num_spec and metadata.num_prefills == 0:
+        if metadata.num_prefills == 0:
             self._decode_only(qkv, conv_weight, decay, beta, out, metadata)
             return
         self._sequences(qkv, conv_weight, decay, beta, out, metadata)
@@ -362,47 +385,25 @@ class KdaAttention(nn.Module, MambaBase):
                 torch.tensor(decode_slots, device=qkv.device),
             )
 
-    def _verify(self, qkv, conv_weight, decay, beta, out, metadata) -> None:
-        """Speculative rows: each verifies its window (the last sampled token and
-        its drafts) from the state its last step accepted, and keeps the state after
-        every window token, so the next step resumes after whichever it accepts.
-
-        vLLM's layout (its GDN metadata and the in-tree KDA): a row's slots
-        ``s_0 … s_k`` are one per window position; the recurrent state after window
-        token ``t`` goes to ``s_t``, and a row that accepted ``a`` tokens last step
-        starts from ``s_{a-1}``. The conv state is one buffer in ``s_0`` of
-        ``kernel - 1 + k`` inputs: the history is the ``kernel - 1`` starting at
-        column ``a - 1``; after the window the buffer holds the inputs from the
-        history's second on, so that column ``a' - 1`` starts the history of the
-        ``a'`` tokens the next step accepts."""
-        conv_cache, recurrent_cache = self._caches()
-        history = self.kernel - 1
-        batch = spec_batch(metadata)
-        weight = conv_weight.float()
-        for row, slots in enumerate(batch.slots):
-            begin, end = batch.starts[row], batch.starts[row + 1]
-            if begin == end or slots[0] <= 0:
-                continue  # padding, or vLLM's null block
-            tokens = torch.tensor(batch.tokens[begin:end], device=qkv.device)
-            count = end - begin
-            skip = batch.accepted[row] - 1
-            buffer = conv_cache[slots[0]]
-            prior = buffer[:, skip : skip + history].float()
-            x = qkv[tokens].float()
-            mixed, _ = ref.causal_conv_silu(x, weight, prior)
-            inputs = torch.cat([prior, x.T], dim=1)
-            buffer[:, : history - 1 + count] = inputs[:, 1:].to(buffer.dtype)
-            q, k, v, g = self._delta_rule_inputs(mixed, decay[tokens])
-            state = recurrent_cache[slots[skip]]
-            outputs = []
-            for t in range(count):
-                step = slice(t, t + 1)
-                o, state = ref.kda_recurrence(
-                    q[step], k[step], v[step], g[step], beta[tokens[step]], state
-                )
-                recurrent_cache[slots[t]] = state.to(recurrent_cache.dtype)
-                outputs.append(o)
-            out[tokens] = torch.cat(outputs)
+    def _windows(self, qkv, conv_weight, decay, beta, out, windows: Windows) -> None:
+        """Rows of windows (a speculative row verifies the last sampled token and
+        its drafts; a decode is a window of one token) from the state each row's
+        last step accepted, keeping the state after every window token in vLLM's
+        layout (``k3_triton_kernels.kda.windows``). Shapes are fixed by the windows
+        and nothing is read back."""
+        rows, width = windows.tokens.shape
+        if rows == 0:
+            return
+        outputs = kda_windows(
+            *self._step_args(qkv, conv_weight, decay, beta),
+            *windows,
+            lower_bound=self.lower_bound,
+        )
+        # A missing position's output goes to a spare row past the batch.
+        staged = torch.cat([out, out.new_zeros(1, *out.shape[1:])])
+        places = torch.where(windows.valid, windows.tokens, out.shape[0])
+        staged[places.reshape(-1)] = outputs.reshape(rows * width, *out.shape[1:])
+        out.copy_(staged[:-1])
 
     def _conv_weight(self) -> torch.Tensor:
         """The q, k and v conv weights as one ``[3 * width, 1, kernel]`` tensor, made
@@ -421,7 +422,9 @@ class KdaAttention(nn.Module, MambaBase):
         mixed, conv_state = ref.causal_conv_silu(
             qkv.float(), conv_weight.float(), conv_state
         )
-        q, k, v, g = self._delta_rule_inputs(mixed, decay)
+        q, k, v, g = delta_rule_inputs(
+            mixed, decay, self.dt_bias, self.A_log, self.lower_bound
+        )
         o, state = kda_chunked(
             q,
             k,
@@ -436,26 +439,17 @@ class KdaAttention(nn.Module, MambaBase):
         )
         return o, conv_state, state
 
-    def _delta_rule_inputs(self, mixed, decay):
-        """``(q, k, v, g)`` ``[T, heads, dim]`` of the delta rule from the conv's
-        output and the decay projection: ``q`` and ``k`` L2-normalized (``q`` scaled
-        by ``dim^-½``), ``g`` the log decay."""
-        shaped = (mixed.shape[0], self.local_heads, self.head_dim)
-        # Token-major, so each token's head rows are contiguous for the kernels.
-        q, k, v = (
-            part.reshape(shaped)
-            for part in mixed.contiguous().split(self.local_width, dim=-1)
-        )
-        u = decay.float() + self.dt_bias.float()
-        g = ref.kda_gate(u.reshape(shaped), self.A_log, self.lower_bound)
-        return ref.l2_normalize(q) / self.head_dim**0.5, ref.l2_normalize(k), v, g
-
     def _decode_only(self, qkv, conv_weight, decay, beta, out, metadata) -> None:
         """A batch of decodes only (vLLM classes a request's first chunk as a
         prefill, so each token is the next one of a sequence with state), token
-        ``i`` in state slot ``i``. Nothing is read back from the device: the step
-        does not sync, and a CUDA graph can hold it (padded rows point at vLLM's
-        null block)."""
+        ``i`` in state slot ``i``, on the kernel (one launch) or as windows of one
+        token. Nothing is read back from the device: the step does not sync, and a
+        CUDA graph can hold it (padded rows point at vLLM's null block)."""
+        if not self.use_kernels or self.num_spec:
+            # The kernel reads a conv buffer of ``kernel - 1`` inputs only.
+            windows = decode_windows(metadata, qkv.shape[0])
+            self._windows(qkv, conv_weight, decay, beta, out, windows)
+            return
         slots = metadata.non_spec_state_indices_tensor
         rows = min(qkv.shape[0], slots.shape[0])
         if rows:
@@ -470,17 +464,16 @@ class KdaAttention(nn.Module, MambaBase):
             conv_cache = conv_cache.transpose(-1, -2)
         return conv_cache, recurrent_cache
 
-    def _decode(self, qkv, conv_weight, decay, beta, slots) -> torch.Tensor:
+    def _step_args(self, qkv, conv_weight, decay, beta) -> tuple:
+        """The leading arguments of ``kda_decode`` and ``kda_windows``: the inputs,
+        the layer's weights and its caches."""
         conv_cache, recurrent_cache = self._caches()
+        return (qkv, conv_weight[:, 0, :], conv_cache, decay, self.dt_bias,
+                self.A_log, beta, recurrent_cache)  # fmt: skip
+
+    def _decode(self, qkv, conv_weight, decay, beta, slots) -> torch.Tensor:
         return kda_decode(
-            qkv,
-            conv_weight[:, 0, :],
-            conv_cache,
-            decay,
-            self.dt_bias,
-            self.A_log,
-            beta,
-            recurrent_cache,
+            *self._step_args(qkv, conv_weight, decay, beta),
             slots,
             lower_bound=self.lower_bound,
         )

@@ -234,7 +234,7 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
         if current_platform.is_cpu() and get_pp_group().world_size > 1:
             cpu_pipeline.install()
         _note_quantization(vllm_config)
-        require_eager_on_gpus(vllm_config, on_gpu=current_platform.is_cuda_alike())
+        check_cuda_graphs(vllm_config, self, on_gpu=current_platform.is_cuda_alike())
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -448,17 +448,39 @@ def _note_quantization(vllm_config: VllmConfig) -> None:
         )
 
 
-def require_eager_on_gpus(vllm_config: VllmConfig, *, on_gpu: bool) -> None:
-    """CUDA graphs are refused at load, not discovered at capture. Checked on the
-    CPU with vLLM's breakable capture stood in for (docs/model_class.md): on the
-    kernels every forward breaks only at the MLA and KDA layers and the model's own
-    code between them reads nothing back, and a KDA decode step without draft tokens
-    fits a full graph whole. Not yet: any
-    capture and replay on a GPU."""
+def check_cuda_graphs(vllm_config: VllmConfig, model: nn.Module, *, on_gpu: bool):
+    """Refuse at load, naming the block, a CUDA graph configuration a block of this
+    model cannot be captured in, rather than fail at capture.
+
+    vLLM captures K3 two ways (it never compiles it): full graphs of uniform decode
+    batches (both vendors; vLLM's decorated ops run inside them), and on NVIDIA,
+    where vLLM sets ``VLLM_USE_BREAKABLE_CUDAGRAPH`` for K3, breakable graphs of the
+    other batches. What each block is in them:
+
+    - KDA: the delta rule is an eager break (it reads a prefill's layout on the
+      host); a decode-only step, with or without draft tokens, reads nothing back
+      and is captured whole in a full graph (``KdaAttention._decode_only``,
+      ``_windows``). Its metadata is vLLM's GDN builder's (uniform batches).
+    - MLA: vLLM's ``MLAAttention``, a break; in a full graph our decode kernel
+      splits each row's own length on the device, its split count fixed at capture
+      from the capture's ``max_seq_len`` (vLLM's ``max_model_len``). Metadata: vLLM's
+      Triton MLA builder (uniform batches).
+    - MoE on the kernels, the attention residuals, norms, projections, embedding
+      and LM head: captured; they read nothing back. The MoE's PyTorch path groups
+      tokens on the host: refused here."""
     mode = vllm_config.compilation_config.cudagraph_mode
-    if on_gpu and mode is not None and mode != CUDAGraphMode.NONE:
+    if not on_gpu or mode is None or mode == CUDAGraphMode.NONE:
+        return
+    blocked = [
+        (name, module.graph_blocker)
+        for name, module in model.named_modules()
+        if getattr(module, "graph_blocker", None)
+    ]
+    if blocked:
+        name, reason = blocked[0]
+        more = f" (and {len(blocked) - 1} more layers)" if len(blocked) > 1 else ""
         raise ValueError(
-            "the Kimi-K3 model class of vllm-k3-plugin runs without CUDA graphs "
-            f"(cudagraph_mode is {mode.name}); serve with --enforce-eager, or keep "
-            "vLLM's in-tree class (VLLM_K3_MODEL_CLASS=vllm)"
+            f"Kimi-K3: {name}{more} cannot be captured in CUDA graphs "
+            f"(cudagraph_mode {mode.name}): {reason}. Serve on the Triton kernels "
+            "(VLLM_K3_KERNELS=triton) or with --enforce-eager"
         )

@@ -189,15 +189,23 @@ class LatentMoe(nn.Module):
             latent, hidden, bias=False, prefix=f"{prefix}.routed_expert_up_proj"
         )
         local_inner = inner // tp_size
-        if not use_kernels:
-            log_path("Latent MoE", "VLLM_K3_KERNELS=pytorch")
-        else:
-            blocker = kernel_path_blocker(local_inner, latent)
-            if blocker is not None:
-                use_kernels = False
-                log_path("Latent MoE", blocker)
-        self.use_kernels = use_kernels
-        if use_kernels:
+        blocker = (
+            kernel_path_blocker(local_inner, latent)
+            if use_kernels
+            else "VLLM_K3_KERNELS=pytorch"
+        )
+        if blocker is not None:
+            log_path("Latent MoE", blocker)
+        self.use_kernels = blocker is None
+        # The PyTorch path groups tokens by expert on the host (``ref.routed_experts``
+        # reads the ids back), so no CUDA graph can hold it.
+        self.graph_blocker = (
+            None
+            if self.use_kernels
+            else f"the routed experts take the PyTorch path ({blocker}), which reads "
+            "the expert ids back to the host"
+        )
+        if self.use_kernels:
             self.experts = StackedMxfp4Experts(config.num_experts, latent, local_inner)
         else:
             dtype = torch.get_default_dtype()

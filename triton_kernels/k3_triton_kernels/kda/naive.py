@@ -54,6 +54,27 @@ def causal_conv_silu(
     return torch.nn.functional.silu(y), padded[:, -(width - 1) :].clone()
 
 
+def delta_rule_inputs(
+    mixed: torch.Tensor,
+    decay: torch.Tensor,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+    lower_bound: float = -5.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q̂, k̂, v, g)`` ``[T, H, D]`` of the delta rule from the conv's output
+    ``mixed`` ``[T, 3C]`` (q, k, v) and the decay projection ``decay`` ``[T, C]``:
+    ``q̂`` and ``k̂`` L2-normalized (``q̂`` scaled by ``D^-½``), ``g`` the log decay."""
+    heads = a_log.shape[0]
+    channels = mixed.shape[-1] // 3
+    shaped = (mixed.shape[0], heads, channels // heads)
+    # Token-major, so each token's head rows are contiguous for the kernels.
+    q, k, v = (
+        part.reshape(shaped) for part in mixed.contiguous().split(channels, dim=-1)
+    )
+    g = kda_gate((decay.float() + dt_bias.float()).reshape(shaped), a_log, lower_bound)
+    return l2_normalize(q) / shaped[-1] ** 0.5, l2_normalize(k), v, g
+
+
 def starting_state(state, heads: int, key_dim: int, value_dim: int, device):
     """A fp32 copy of ``state`` ``[H, K, V]`` to update, or zeros for a new sequence."""
     if state is None:
@@ -82,13 +103,27 @@ def kda_recurrence(
     s = starting_state(state, heads, key_dim, value_dim, q.device)
     out = torch.empty(tokens, heads, value_dim, dtype=torch.float32, device=q.device)
     for t in range(tokens):
-        s = s * g[t].float().exp()[..., None]
-        k_t = k[t].float()
-        predicted = torch.einsum("hkv,hk->hv", s, k_t)
-        correction = beta[t].float()[:, None] * (v[t].float() - predicted)
-        s = s + k_t[..., None] * correction[:, None, :]
-        out[t] = torch.einsum("hkv,hk->hv", s, q[t].float())
+        out[t], s = kda_step(q[t], k[t], v[t], g[t], beta[t], s)
     return out, s
+
+
+def kda_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of ``kda_recurrence`` for any leading batch dims: ``q, k, g``
+    ``[..., H, K]``, ``v`` ``[..., H, V]``, ``beta`` ``[..., H]``, ``state``
+    ``[..., H, K, V]`` fp32. Returns ``(o [..., H, V], new state)``."""
+    s = state * g.float().exp()[..., None]
+    k = k.float()
+    predicted = torch.einsum("...hkv,...hk->...hv", s, k)
+    correction = beta.float()[..., None] * (v.float() - predicted)
+    s = s + k[..., None] * correction[..., None, :]
+    return torch.einsum("...hkv,...hk->...hv", s, q.float()), s
 
 
 EXPONENT_SPAN = 80.0
@@ -198,23 +233,17 @@ def kda_decode_reference(
 ) -> torch.Tensor:
     tokens = qkv.shape[0]
     heads = a_log.shape[0]
-    channels = qkv.shape[1] // 3
-    dim = channels // heads
+    dim = qkv.shape[1] // 3 // heads
     out = torch.empty(tokens, heads, dim, dtype=torch.float32, device=qkv.device)
     for n, slot in enumerate(slots.tolist()):
         mixed, new_conv = causal_conv_silu(
             qkv[n : n + 1].float(), conv_weight[:, None, :].float(), conv_state[slot]
         )
-        q, k, v = (part.reshape(1, heads, dim) for part in mixed.split(channels, -1))
-        u = (decay[n].float() + dt_bias.float()).reshape(1, heads, dim)
-        g = kda_gate(u, a_log, lower_bound)
+        q, k, v, g = delta_rule_inputs(
+            mixed, decay[n : n + 1], dt_bias, a_log, lower_bound
+        )
         o, new_state = kda_recurrence(
-            l2_normalize(q) / dim**0.5,
-            l2_normalize(k),
-            v,
-            g,
-            beta[n : n + 1].float(),
-            recurrent_state[slot],
+            q, k, v, g, beta[n : n + 1].float(), recurrent_state[slot]
         )
         out[n] = o[0]
         conv_state[slot] = new_conv.to(conv_state.dtype)
