@@ -6,6 +6,7 @@
 #   benchmarks/gpu_check.sh prepare   # here: copy the vLLM kernel sources to carry
 #   benchmarks/gpu_check.sh           # there, carrying .vllm_src; writes to $OUT
 #   benchmarks/gpu_check.sh sweep     # there: the MLA and MoE sweeps
+#   benchmarks/gpu_check.sh graphs    # there: decode steps in CUDA graphs vs eager
 #
 # `prepare` copies the vLLM files benchmarks/vllm_baselines.py reads (vLLM's own
 # Triton kernels, run without importing vLLM) from this checkout's .venv into
@@ -39,6 +40,14 @@ PY="${PYTHON:-python3}"
 
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+
+if [[ "${1:-}" == "graphs" ]]; then
+    # Both of vLLM's graph forms for K3, captured and replayed against eager
+    # (benchmarks/graph_check.py; vLLM's breakable capture read from .vllm_src).
+    timeout "${GRAPH_SECONDS:-420}" "$PY" benchmarks/graph_check.py --out "$OUT" 2>&1 \
+        | tee "$OUT/graph_check.txt"
+    exit "${PIPESTATUS[0]}"
+fi
 
 if [[ "${1:-}" == "sweep" ]]; then
     # The launch-configuration sweeps the defaults are set from (about 8 minutes),

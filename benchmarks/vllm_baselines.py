@@ -34,7 +34,14 @@ DECODE_ATTENTION = "v1/attention/ops/triton_decode_attention.py"
 FUSED_MOE = "model_executor/layers/fused_moe/fused_moe.py"
 FUSED_MOE_UTILS = "model_executor/layers/fused_moe/utils.py"
 TRITON_MLA = "v1/attention/backends/mla/triton_mla.py"
-SOURCE_FILES = (DECODE_ATTENTION, FUSED_MOE, FUSED_MOE_UTILS, TRITON_MLA)
+BREAKABLE_CUDAGRAPH = "compilation/breakable_cudagraph.py"
+SOURCE_FILES = (
+    DECODE_ATTENTION,
+    FUSED_MOE,
+    FUSED_MOE_UTILS,
+    TRITON_MLA,
+    BREAKABLE_CUDAGRAPH,
+)
 
 
 class BaselineUnavailable(RuntimeError):
@@ -131,14 +138,14 @@ def decode_attention_fwd():
 
 
 def _functions(relative: str, wanted: tuple[str, ...], namespace: dict) -> dict:
-    """The top-level functions and constants ``wanted`` of a vLLM file (decorators
-    included), defined in ``namespace``."""
+    """The top-level functions, classes and constants ``wanted`` of a vLLM file
+    (decorators included), defined in ``namespace``."""
     source = _read(relative)
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     found = {}
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in wanted:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
             first = min([d.lineno for d in node.decorator_list] + [node.lineno])
             found[node.name] = (first, "".join(lines[first - 1 : node.end_lineno]))
         elif isinstance(node, ast.Assign) and len(node.targets) == 1:
@@ -322,3 +329,43 @@ __all__ = [
     "mla_num_kv_splits",
     "vllm_source_root",
 ]
+
+
+@cache
+def breakable_capture():
+    """``(BreakableCUDAGraphCapture, eager_break_during_capture)``: vLLM's stream
+    capture with eager breaks and the decorator that makes a function a break, with
+    the vLLM names they read stood in for: no forward context (so a decorated
+    function breaks whenever a capture is on), breakable graphs enabled (0.32's
+    decorator asks), ``weak_ref_tensor`` as the identity (vLLM's is a C op; a
+    strong reference keeps the same tensor alive) and no quantized activations."""
+    import threading
+    from collections.abc import Callable, Hashable
+    from typing import Any, TypeVar
+
+    namespace = {
+        "__name__": "vllm_baseline_breakable_cudagraph",
+        "functools": functools,
+        "threading": threading,
+        "torch": torch,
+        "Any": Any,
+        "Callable": Callable,
+        "Hashable": Hashable,
+        "F": TypeVar("F", bound=Callable[..., Any]),
+        "is_forward_context_available": lambda: False,
+        "is_breakable_cudagraph_enabled": lambda: True,
+        "weak_ref_tensor": lambda tensor: tensor,
+        "QuantizedActivation": type("QuantizedActivation", (), {}),
+    }
+    _functions(
+        BREAKABLE_CUDAGRAPH,
+        (
+            "_weak_ref_capture_arg",
+            "eager_break_during_capture",
+            "BreakableCUDAGraphCapture",
+        ),
+        namespace,
+    )
+    return namespace["BreakableCUDAGraphCapture"], namespace[
+        "eager_break_during_capture"
+    ]

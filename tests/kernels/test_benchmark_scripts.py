@@ -68,3 +68,20 @@ def test_moe_tile_sweep_runs_its_smoke_shapes():
             out,
             re.MULTILINE,
         )
+
+
+def test_graph_check_runs_both_forms_on_its_smoke_shapes(tmp_path):
+    """``graph_check.py``: vLLM's breakable capture loaded from its source, each
+    decode step (single tokens and draft windows) built on the kernels and run in
+    both forms against eager; the breakable one breaks at the KDA delta rule and
+    the MLA decode only (3 segments, 2 breaks). Nothing is captured on the CPU."""
+    out = run_smoke("graph_check.py", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "graph_check.json").read_text())
+    forms = [(row["form"], row["drafts"]) for row in report["rows"]]
+    assert forms == [("full", 0), ("breakable", 0), ("full", 2), ("breakable", 2)]
+    assert all(row["ok"] and not row["replayed"] for row in report["rows"])
+    for row in report["rows"]:
+        if row["form"] == "breakable":
+            assert (row["graphs"], row["breaks"]) == (3, 2)
+    for kernel in ("KDA decode", "MLA decode", "Latent MoE"):
+        assert f"{kernel}: Triton kernel" in report["paths"], out
