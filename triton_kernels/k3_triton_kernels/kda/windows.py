@@ -23,7 +23,9 @@ Shapes: ``qkv`` ``[T, 3C]``, ``conv_weight`` ``[3C, W]``, ``conv_state``
 ``[slots, 3C, ≥ W-1]``, ``decay`` ``[T, C]``, ``dt_bias`` ``[C]``, ``a_log`` ``[H]``,
 ``beta`` ``[T, H]``, ``recurrent_state`` ``[slots, H, K, V]`` fp32; ``tokens``,
 ``valid``, ``slots`` ``[R, L]`` (``L`` window positions), ``skip`` ``[R]``. Returns
-``o`` ``[R, L, H, V]`` fp32; the caller places each valid one at its token.
+``o`` ``[R, L, H, V]`` fp32; with ``out`` ``[T, H, V]`` given, each valid one is
+also written there at its token (the others go to a spare row past the batch, so
+that a clamped token shared with a valid one is not overwritten).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def kda_windows(
     skip: torch.Tensor,
     *,
     lower_bound: float = -5.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     rows, length = tokens.shape
     heads, dim = a_log.shape[0], recurrent_state.shape[-1]
@@ -83,4 +86,10 @@ def kda_windows(
         o, state = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], gates[:, t], state)
         recurrent_state[targets[:, t]] = state.to(recurrent_state.dtype)
         outputs.append(o)
-    return torch.stack(outputs, dim=1)
+    outputs = torch.stack(outputs, dim=1)
+    if out is not None:
+        staged = torch.cat([out, out.new_zeros(1, *out.shape[1:])])
+        places = torch.where(valid, tokens, out.shape[0]).reshape(-1)
+        staged[places] = outputs.reshape(rows * length, *out.shape[1:]).to(out.dtype)
+        out.copy_(staged[:-1])
+    return outputs
