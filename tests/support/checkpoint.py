@@ -72,25 +72,39 @@ SUBLAYER_OUTPUTS = (
 
 
 def write_repeating_k3_checkpoint(
-    out_dir: Path, *, sublayer_scale: float = 0.3
+    out_dir: Path, *, sublayer_scale: float = 0.3, mtp_layers: int = 0
 ) -> Path:
     """The tiny Kimi-K3 checkpoint (``tools.tiny``) changed so that its greedy
-    output repeats itself, for n-gram drafts to be proposed and accepted: the LM
-    head is the embedding (a token's own logit stands out) and every sublayer's
-    output projection is scaled by ``sublayer_scale``, so that the embedding leads
-    the final mix while the KDA, MLA and MoE layers still move every logprob."""
+    output repeats itself, for drafts to be proposed and accepted: the LM head is
+    the embedding (a token's own logit stands out) and every sublayer's output
+    projection is scaled by ``sublayer_scale``, so that the embedding leads the
+    final mix while the KDA, MLA and MoE layers still move every logprob. With
+    ``mtp_layers`` MTP draft layers, each predicts the same way: ``eh_proj`` passes
+    the normalized embedding through (the target's hidden state enters through its
+    block only) to the head, which vLLM makes the target's."""
+    import torch
     from safetensors.torch import load_file, save_file
 
     from vllm_k3_plugin.reference.checkpoint_format import LANGUAGE_MODEL_PREFIX
-    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
+    from vllm_k3_plugin.tools.tiny import tiny_text_config, write_tiny_k3_checkpoint
 
-    out_dir = write_tiny_k3_checkpoint(Path(out_dir))
+    out_dir = write_tiny_k3_checkpoint(Path(out_dir), mtp_layers=mtp_layers)
     path = out_dir / "model.safetensors"
     tensors = load_file(str(path))
     model = LANGUAGE_MODEL_PREFIX + "model."
     tensors[LANGUAGE_MODEL_PREFIX + "lm_head.weight"] = tensors[
         model + "embed_tokens.weight"
     ].clone()
+    text = tiny_text_config(mtp_layers)
+    for layer in range(
+        text["num_hidden_layers"], text["num_hidden_layers"] + mtp_layers
+    ):
+        p = f"{model}layers.{layer}."
+        eh_proj = tensors[p + "eh_proj.weight"]
+        hidden = eh_proj.shape[0]
+        passing = torch.zeros(hidden, 2 * hidden)
+        passing[:, :hidden] = torch.eye(hidden)
+        tensors[p + "eh_proj.weight"] = passing.to(eh_proj.dtype)
     for name, tensor in tensors.items():
         if name.endswith(SUBLAYER_OUTPUTS):
             tensors[name] = (tensor.float() * sublayer_scale).to(tensor.dtype)

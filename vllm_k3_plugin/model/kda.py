@@ -130,7 +130,8 @@ def speculative_windows(metadata, num_tokens: int, width: int) -> Windows:
         tokens=spec_tokens[ordinal].clamp(0, num_tokens - 1),
         valid=offsets < (starts[1:] - starts[:-1])[:, None],
         slots=metadata.spec_state_indices_tensor[:rows, :width].long().clamp(min=0),
-        skip=metadata.num_accepted_tokens[:rows].long() - 1,
+        # vLLM counts at least one accepted token; a 0 would index column -1.
+        skip=(metadata.num_accepted_tokens[:rows].long() - 1).clamp(0, width - 1),
     )
 
 
@@ -391,19 +392,13 @@ class KdaAttention(nn.Module, MambaBase):
         last step accepted, keeping the state after every window token in vLLM's
         layout (``k3_triton_kernels.kda.windows``). Shapes are fixed by the windows
         and nothing is read back."""
-        rows, width = windows.tokens.shape
-        if rows == 0:
-            return
-        outputs = kda_windows(
-            *self._step_args(qkv, conv_weight, decay, beta),
-            *windows,
-            lower_bound=self.lower_bound,
-        )
-        # A missing position's output goes to a spare row past the batch.
-        staged = torch.cat([out, out.new_zeros(1, *out.shape[1:])])
-        places = torch.where(windows.valid, windows.tokens, out.shape[0])
-        staged[places.reshape(-1)] = outputs.reshape(rows * width, *out.shape[1:])
-        out.copy_(staged[:-1])
+        if windows.tokens.shape[0]:
+            kda_windows(
+                *self._step_args(qkv, conv_weight, decay, beta),
+                *windows,
+                lower_bound=self.lower_bound,
+                out=out,
+            )
 
     def _conv_weight(self) -> torch.Tensor:
         """The q, k and v conv weights as one ``[3 * width, 1, kernel]`` tensor, made

@@ -66,6 +66,7 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     dense_weight_shapes,
     expert_weight_shapes,
     is_kda_layer,
+    mtp_layers,
     situ_betas,
 )
 
@@ -87,7 +88,19 @@ class ResidualProjection(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, vllm_config: VllmConfig, layer: int, prefix: str):
+    """``model.layers.{i}``: KDA or MLA, then the dense MLP or the latent MoE, each
+    behind its norm; with ``attention_residuals`` (every layer of the text model,
+    not an MTP draft layer's block) the norms and queries of the two mixes."""
+
+    def __init__(
+        self,
+        config,
+        vllm_config: VllmConfig,
+        layer: int,
+        prefix: str,
+        *,
+        attention_residuals: bool = True,
+    ):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         if is_kda_layer(config.to_dict(), layer):
@@ -109,10 +122,11 @@ class DecoderLayer(nn.Module):
             )
         self.input_layernorm = RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
-        self.self_attention_res_norm = RMSNorm(hidden, eps=eps)
-        self.mlp_res_norm = RMSNorm(hidden, eps=eps)
-        self.self_attention_res_proj = ResidualProjection(hidden)
-        self.mlp_res_proj = ResidualProjection(hidden)
+        if attention_residuals:
+            self.self_attention_res_norm = RMSNorm(hidden, eps=eps)
+            self.mlp_res_norm = RMSNorm(hidden, eps=eps)
+            self.self_attention_res_proj = ResidualProjection(hidden)
+            self.mlp_res_proj = ResidualProjection(hidden)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(x))
@@ -125,7 +139,8 @@ class DecoderLayer(nn.Module):
 
 
 class K3Model(nn.Module):
-    """``model.*``: embeddings, this stage's layers, the final mix and norm."""
+    """``model.*``: embeddings, this stage's layers, the final mix; the final norm
+    (applied by ``KimiK3ForCausalLM.compute_logits``)."""
 
     def __init__(self, *, vllm_config: VllmConfig, config, prefix: str = "") -> None:
         super().__init__()
@@ -188,7 +203,9 @@ class K3Model(nn.Module):
                     "residual": torch.stack(carry.bank, dim=1),
                 }
             )
-        return self.norm(self.mix("final", [*carry.bank, carry.partial]))
+        # Before the final norm (``KimiK3ForCausalLM.compute_logits`` applies it):
+        # an MTP drafter takes these hidden states, as vLLM's in-tree K3 gives them.
+        return self.mix("final", [*carry.bank, carry.partial])
 
     def make_empty_intermediate_tensors(
         self, batch_size: int, dtype: torch.dtype, device: torch.device
@@ -252,7 +269,7 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
         return self.model(inputs_embeds, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        return self.logits_processor(self.lm_head, self.model.norm(hidden_states))
 
     # -- hybrid cache -----------------------------------------------------------------
 
@@ -276,74 +293,93 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
     # -- weights ----------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load the text model's tensors (names without ``language_model.``).
-
-        Returns the parameter names loaded. A tensor whose shape differs from the
-        one the config implies, an MXFP4 half without its other half, or a tensor
-        the model needs and the checkpoint lacks is an error naming the tensor;
-        names the model does not know are skipped with one warning.
-        """
+        """Load the text model's tensors (names without ``language_model.``); the
+        MTP draft layers' are left to the drafter (``mtp.KimiK3Mtp``)."""
         text = self.config.to_dict()
         dense = dense_weight_shapes(text)
         experts = expert_weight_shapes(text)
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        loaded_experts: set[str] = set()
-        halves = Mxfp4Halves()
-        unknown: list[str] = []
+        drafter = tuple(f"model.layers.{layer}." for layer in mtp_layers(text))
         # Tensors of layers and heads another pipeline stage holds.
         elsewhere = {
             name for name in (*dense, *experts) if is_pp_missing_parameter(name, self)
         }
-        for name, tensor in weights:
-            stem = name.rpartition(".")[0]
-            if name in elsewhere or stem in elsewhere:
-                continue
-            if name.endswith(MXFP4_SUFFIXES):
-                if stem not in experts:
-                    unknown.append(name)
-                    continue
-                pair = halves.add(name, tensor)
-                if pair is None:
-                    continue
-                stem, packed, scale = pair
-                _check_mxfp4_pair(stem, packed, scale, experts[stem])
-                layer, _, tail = stem.rpartition(".experts.")
-                expert, proj = tail.split(".")
-                moe = self.get_submodule(layer)
-                for param_name in moe.load_expert(int(expert), proj, packed, scale):
-                    loaded.add(f"{layer}.{param_name}")
-                loaded_experts.add(stem)
-                continue
-            elif name in dense:
-                _check_shape(name, tensor, dense[name])
-            else:
+        kept = ((name, t) for name, t in weights if not name.startswith(drafter))
+        return load_k3_tensors(self, kept, dense, experts, elsewhere=elsewhere)
+
+
+def load_k3_tensors(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    dense: dict[str, tuple[int, ...]],
+    experts: dict[str, tuple[int, int]],
+    *,
+    elsewhere: set[str] = frozenset(),
+    optional: set[str] = frozenset(),
+) -> set[str]:
+    """Load checkpoint tensors named as ``module``'s parameters: ``dense`` BF16
+    tensors and the MXFP4 pairs of ``experts`` (``checkpoint_format``'s shapes),
+    skipping ``elsewhere`` (another pipeline stage's); ``optional`` ones of
+    ``dense`` may be absent.
+
+    Returns the parameter names loaded. A tensor whose shape differs from the one
+    the config implies, an MXFP4 half without its other half, or a tensor the
+    model needs and the checkpoint lacks is an error naming the tensor; names the
+    model does not know are skipped with one warning.
+    """
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    loaded_experts: set[str] = set()
+    halves = Mxfp4Halves()
+    unknown: list[str] = []
+    for name, tensor in weights:
+        stem = name.rpartition(".")[0]
+        if name in elsewhere or stem in elsewhere:
+            continue
+        if name.endswith(MXFP4_SUFFIXES):
+            if stem not in experts:
                 unknown.append(name)
                 continue
-            param = params[name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor)
-            loaded.add(name)
-        unpaired = halves.unpaired()
-        if unpaired is not None:
-            raise MissingWeightsError(unpaired)
-        missing = sorted(
-            ((set(dense) - loaded) | (set(experts) - loaded_experts)) - elsewhere
+            pair = halves.add(name, tensor)
+            if pair is None:
+                continue
+            stem, packed, scale = pair
+            _check_mxfp4_pair(stem, packed, scale, experts[stem])
+            layer, _, tail = stem.rpartition(".experts.")
+            expert, proj = tail.split(".")
+            moe = module.get_submodule(layer)
+            for param_name in moe.load_expert(int(expert), proj, packed, scale):
+                loaded.add(f"{layer}.{param_name}")
+            loaded_experts.add(stem)
+            continue
+        elif name in dense:
+            _check_shape(name, tensor, dense[name])
+        else:
+            unknown.append(name)
+            continue
+        param = params[name]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor)
+        loaded.add(name)
+    unpaired = halves.unpaired()
+    if unpaired is not None:
+        raise MissingWeightsError(unpaired)
+    missing = sorted(
+        ((set(dense) - loaded) | (set(experts) - loaded_experts)) - elsewhere - optional
+    )
+    if missing:
+        raise MissingWeightsError(
+            f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
+            + ", ".join(missing[:8])
+            + (" ..." if len(missing) > 8 else "")
         )
-        if missing:
-            raise MissingWeightsError(
-                f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
-                + ", ".join(missing[:8])
-                + (" ..." if len(missing) > 8 else "")
-            )
-        if unknown:
-            logger.warning(
-                "Kimi-K3: %d checkpoint tensor(s) not used by the model: %s%s",
-                len(unknown),
-                ", ".join(unknown[:8]),
-                " ..." if len(unknown) > 8 else "",
-            )
-        return loaded
+    if unknown:
+        logger.warning(
+            "Kimi-K3: %d checkpoint tensor(s) not used by the model: %s%s",
+            len(unknown),
+            ", ".join(unknown[:8]),
+            " ..." if len(unknown) > 8 else "",
+        )
+    return loaded
 
 
 class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid, SupportsPP):
@@ -361,6 +397,16 @@ class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid, Support
         self.make_empty_intermediate_tensors = (
             self.language_model.make_empty_intermediate_tensors
         )
+
+    # vLLM's drafters read a text-only target's embedding and LM head as
+    # ``target.model.embed_tokens`` and ``target.lm_head``.
+    @property
+    def model(self) -> K3Model:
+        return self.language_model.model
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.language_model.lm_head
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
@@ -465,9 +511,10 @@ def check_cuda_graphs(vllm_config: VllmConfig, model: nn.Module, *, on_gpu: bool
       splits each row's own length on the device, its split count fixed at capture
       from the capture's ``max_seq_len`` (vLLM's ``max_model_len``). Metadata: vLLM's
       Triton MLA builder (uniform batches).
-    - MoE on the kernels, the attention residuals, norms, projections, embedding
-      and LM head: captured; they read nothing back. The MoE's PyTorch path groups
-      tokens on the host: refused here."""
+    - MoE on the kernels, the attention residuals, norms, projections and the
+      embedding: captured; they read nothing back (vLLM runs the LM head outside
+      the graph). The MoE's PyTorch path groups tokens on the host: refused here,
+      naming the layer and why it took that path."""
     mode = vllm_config.compilation_config.cudagraph_mode
     if not on_gpu or mode is None or mode == CUDAGraphMode.NONE:
         return
@@ -481,6 +528,5 @@ def check_cuda_graphs(vllm_config: VllmConfig, model: nn.Module, *, on_gpu: bool
         more = f" (and {len(blocked) - 1} more layers)" if len(blocked) > 1 else ""
         raise ValueError(
             f"Kimi-K3: {name}{more} cannot be captured in CUDA graphs "
-            f"(cudagraph_mode {mode.name}): {reason}. Serve on the Triton kernels "
-            "(VLLM_K3_KERNELS=triton) or with --enforce-eager"
+            f"(cudagraph_mode {mode.name}): {reason}. Serve with --enforce-eager"
         )

@@ -204,6 +204,11 @@ class LatentMoe(nn.Module):
             if self.use_kernels
             else f"the routed experts take the PyTorch path ({blocker}), which reads "
             "the expert ids back to the host"
+            + (
+                ", unlike the Triton kernels (VLLM_K3_KERNELS=triton)"
+                if not use_kernels
+                else ""
+            )
         )
         if self.use_kernels:
             self.experts = StackedMxfp4Experts(config.num_experts, latent, local_inner)

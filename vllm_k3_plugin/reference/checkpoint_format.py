@@ -85,7 +85,59 @@ def is_kda_layer(text: dict[str, Any], layer: int) -> bool:
 
 
 def dense_weight_shapes(text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every BF16 tensor of the text model, by checkpoint name (without the prefix)."""
+    """Every BF16 tensor of the text model, by checkpoint name (without the prefix);
+    the MTP draft layers' are ``mtp_weight_shapes``."""
+    d = text["hidden_size"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (text["vocab_size"], d),
+        "model.norm.weight": (d,),
+        "model.output_attn_res_norm.weight": (d,),
+        "model.output_attn_res_proj.weight": (1, d),
+        "lm_head.weight": (text["vocab_size"], d),
+    }
+    for layer in range(text["num_hidden_layers"]):
+        shapes.update(_layer_shapes(text, layer))
+    return shapes
+
+
+def mtp_layers(text: dict[str, Any]) -> range:
+    """The multi-token-prediction draft layers, numbered after the text model's
+    (``num_nextn_predict_layers`` of them, as vLLM's in-tree ``KimiK3MTP`` reads
+    the config); empty for a checkpoint without them."""
+    first = text["num_hidden_layers"]
+    return range(first, first + (text.get("num_nextn_predict_layers") or 0))
+
+
+# An MTP layer's own tensors beside its decoder block's, under ``model.layers.{i}.``.
+MTP_INPUT_NORMS = ("enorm", "hnorm")
+# Copies of the target's embedding and LM head an MTP layer may carry, under
+# ``model.layers.{i}.``: vLLM's proposer gives an MTP drafter the target's own.
+MTP_EMBEDDING = "embed_tokens.weight"
+MTP_HEAD = "shared_head.head.weight"
+
+
+def mtp_weight_shapes(text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every BF16 tensor of the MTP draft layers: per layer the input norms, the
+    projection of the joined ``[embedding, hidden]`` back to the hidden size, the
+    shared head's norm and a decoder block without attention residuals (an MLA
+    layer, as the layer's index is not a KDA layer's). The copies of the target's
+    embedding and LM head are not listed (``MTP_EMBEDDING``, ``MTP_HEAD``)."""
+    d = text["hidden_size"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer in mtp_layers(text):
+        p = f"model.layers.{layer}."
+        for norm in MTP_INPUT_NORMS:
+            shapes[f"{p}{norm}.weight"] = (d,)
+        shapes[f"{p}eh_proj.weight"] = (d, 2 * d)
+        shapes[f"{p}shared_head.norm.weight"] = (d,)
+        shapes.update(_layer_shapes(text, layer, attention_residuals=False))
+    return shapes
+
+
+def _layer_shapes(
+    text: dict[str, Any], layer: int, *, attention_residuals: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's BF16 tensors (its routed experts aside)."""
     d = text["hidden_size"]
     kda = text["linear_attn_config"]
     kda_heads, kda_dim = kda["num_heads"], kda["head_dim"]
@@ -95,77 +147,73 @@ def dense_weight_shapes(text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     q_head = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
     latent = text["routed_expert_hidden_size"]
     shared = text["moe_intermediate_size"] * text["num_shared_experts"]
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (text["vocab_size"], d),
-        "model.norm.weight": (d,),
-        "model.output_attn_res_norm.weight": (d,),
-        "model.output_attn_res_proj.weight": (1, d),
-        "lm_head.weight": (text["vocab_size"], d),
-    }
-    for layer in range(text["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        for norm in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "self_attention_res_norm",
-            "mlp_res_norm",
-        ):
+    shapes: dict[str, tuple[int, ...]] = {}
+    p = f"model.layers.{layer}."
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        shapes[f"{p}{norm}.weight"] = (d,)
+    if attention_residuals:
+        for norm in ("self_attention_res_norm", "mlp_res_norm"):
             shapes[f"{p}{norm}.weight"] = (d,)
         shapes[f"{p}self_attention_res_proj.weight"] = (1, d)
         shapes[f"{p}mlp_res_proj.weight"] = (1, d)
-        a = f"{p}self_attn."
-        if is_kda_layer(text, layer):
-            for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
-                shapes[f"{a}{name}.weight"] = (kda_width, d)
-            for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
-                shapes[f"{a}{name}.weight"] = (kda_width, 1, conv)
-            shapes[f"{a}b_proj.weight"] = (kda_heads, d)
-            shapes[f"{a}f_a_proj.weight"] = (kda_dim, d)
-            shapes[f"{a}f_b_proj.weight"] = (kda_width, kda_dim)
-            shapes[f"{a}A_log"] = (kda_heads,)
-            shapes[f"{a}dt_bias"] = (kda_width,)
-            shapes[f"{a}o_norm.weight"] = (kda_dim,)
-            shapes[f"{a}o_proj.weight"] = (d, kda_width)
-        else:
-            shapes[f"{a}q_a_proj.weight"] = (text["q_lora_rank"], d)
-            shapes[f"{a}q_a_layernorm.weight"] = (text["q_lora_rank"],)
-            shapes[f"{a}q_b_proj.weight"] = (heads * q_head, text["q_lora_rank"])
-            shapes[f"{a}kv_a_proj_with_mqa.weight"] = (
-                text["kv_lora_rank"] + text["qk_rope_head_dim"],
-                d,
-            )
-            shapes[f"{a}kv_a_layernorm.weight"] = (text["kv_lora_rank"],)
-            shapes[f"{a}kv_b_proj.weight"] = (
-                heads * (text["qk_nope_head_dim"] + text["v_head_dim"]),
-                text["kv_lora_rank"],
-            )
-            shapes[f"{a}g_proj.weight"] = (heads * text["v_head_dim"], d)
-            shapes[f"{a}o_proj.weight"] = (d, heads * text["v_head_dim"])
-        if layer < text["first_k_dense_replace"]:
-            m = f"{p}mlp."
-            shapes[f"{m}gate_proj.weight"] = (text["intermediate_size"], d)
-            shapes[f"{m}up_proj.weight"] = (text["intermediate_size"], d)
-            shapes[f"{m}down_proj.weight"] = (d, text["intermediate_size"])
-        else:
-            m = f"{p}block_sparse_moe."
-            shapes[f"{m}gate.weight"] = (text["num_experts"], d)
-            shapes[f"{m}gate.e_score_correction_bias"] = (text["num_experts"],)
-            shapes[f"{m}routed_expert_down_proj.weight"] = (latent, d)
-            shapes[f"{m}routed_expert_norm.weight"] = (latent,)
-            shapes[f"{m}routed_expert_up_proj.weight"] = (d, latent)
-            shapes[f"{m}shared_experts.gate_proj.weight"] = (shared, d)
-            shapes[f"{m}shared_experts.up_proj.weight"] = (shared, d)
-            shapes[f"{m}shared_experts.down_proj.weight"] = (d, shared)
+    a = f"{p}self_attn."
+    if is_kda_layer(text, layer):
+        for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
+            shapes[f"{a}{name}.weight"] = (kda_width, d)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            shapes[f"{a}{name}.weight"] = (kda_width, 1, conv)
+        shapes[f"{a}b_proj.weight"] = (kda_heads, d)
+        shapes[f"{a}f_a_proj.weight"] = (kda_dim, d)
+        shapes[f"{a}f_b_proj.weight"] = (kda_width, kda_dim)
+        shapes[f"{a}A_log"] = (kda_heads,)
+        shapes[f"{a}dt_bias"] = (kda_width,)
+        shapes[f"{a}o_norm.weight"] = (kda_dim,)
+        shapes[f"{a}o_proj.weight"] = (d, kda_width)
+    else:
+        shapes[f"{a}q_a_proj.weight"] = (text["q_lora_rank"], d)
+        shapes[f"{a}q_a_layernorm.weight"] = (text["q_lora_rank"],)
+        shapes[f"{a}q_b_proj.weight"] = (heads * q_head, text["q_lora_rank"])
+        shapes[f"{a}kv_a_proj_with_mqa.weight"] = (
+            text["kv_lora_rank"] + text["qk_rope_head_dim"],
+            d,
+        )
+        shapes[f"{a}kv_a_layernorm.weight"] = (text["kv_lora_rank"],)
+        shapes[f"{a}kv_b_proj.weight"] = (
+            heads * (text["qk_nope_head_dim"] + text["v_head_dim"]),
+            text["kv_lora_rank"],
+        )
+        shapes[f"{a}g_proj.weight"] = (heads * text["v_head_dim"], d)
+        shapes[f"{a}o_proj.weight"] = (d, heads * text["v_head_dim"])
+    if layer < text["first_k_dense_replace"]:
+        m = f"{p}mlp."
+        shapes[f"{m}gate_proj.weight"] = (text["intermediate_size"], d)
+        shapes[f"{m}up_proj.weight"] = (text["intermediate_size"], d)
+        shapes[f"{m}down_proj.weight"] = (d, text["intermediate_size"])
+    else:
+        m = f"{p}block_sparse_moe."
+        shapes[f"{m}gate.weight"] = (text["num_experts"], d)
+        shapes[f"{m}gate.e_score_correction_bias"] = (text["num_experts"],)
+        shapes[f"{m}routed_expert_down_proj.weight"] = (latent, d)
+        shapes[f"{m}routed_expert_norm.weight"] = (latent,)
+        shapes[f"{m}routed_expert_up_proj.weight"] = (d, latent)
+        shapes[f"{m}shared_experts.gate_proj.weight"] = (shared, d)
+        shapes[f"{m}shared_experts.up_proj.weight"] = (shared, d)
+        shapes[f"{m}shared_experts.down_proj.weight"] = (d, shared)
     return shapes
 
 
-def expert_weight_shapes(text: dict[str, Any]) -> dict[str, tuple[int, int]]:
+def expert_weight_shapes(
+    text: dict[str, Any], layers: range | None = None
+) -> dict[str, tuple[int, int]]:
     """Every routed expert projection's unpacked ``[out, in]`` shape, by the name
-    its ``weight_packed`` / ``weight_scale`` pair carries (without the suffix)."""
+    its ``weight_packed`` / ``weight_scale`` pair carries (without the suffix), for
+    ``layers`` (default: the text model's MoE layers)."""
     latent = text["routed_expert_hidden_size"]
     inner = text["moe_intermediate_size"]
+    if layers is None:
+        layers = range(text["first_k_dense_replace"], text["num_hidden_layers"])
     shapes = {}
-    for layer in range(text["first_k_dense_replace"], text["num_hidden_layers"]):
+    for layer in layers:
         for expert in range(text["num_experts"]):
             e = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
             shapes[f"{e}w1"] = (inner, latent)

@@ -22,14 +22,20 @@ from typing import Any
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.reference.checkpoint_format import (
     LANGUAGE_MODEL_PREFIX,
+    MTP_EMBEDDING,
+    MTP_HEAD,
     dense_weight_shapes,
     expert_weight_shapes,
+    mtp_weight_shapes,
 )
+from vllm_k3_plugin.reference.checkpoint_format import mtp_layers as draft_layers
 
 PREFIX = LANGUAGE_MODEL_PREFIX
 
 
-def tiny_text_config() -> dict[str, Any]:
+def tiny_text_config(mtp_layers: int = 0) -> dict[str, Any]:
+    """``mtp_layers``: MTP draft layers after the text model's
+    (``num_nextn_predict_layers``)."""
     layers = 6
     full_attn = [3, 6]  # 1-based, as the published config numbers them
     return {
@@ -85,6 +91,7 @@ def tiny_text_config() -> dict[str, Any]:
             "gate_lower_bound": -5.0,
             "use_full_rank_gate": True,
         },
+        "num_nextn_predict_layers": mtp_layers,
         "torch_dtype": "bfloat16",
     }
 
@@ -137,10 +144,13 @@ def text_only_config(text: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_tiny_k3_checkpoint(
-    out_dir: Path, *, seed: int = 0, text_only: bool = False
+    out_dir: Path, *, seed: int = 0, text_only: bool = False, mtp_layers: int = 0
 ) -> Path:
     """``text_only``: a ``KimiK3ForCausalLM`` checkpoint (text config, names without
-    the ``language_model.`` prefix) instead of the published wrapper."""
+    the ``language_model.`` prefix) instead of the published wrapper.
+    ``mtp_layers``: that many MTP draft layers too, each with copies of an
+    embedding and an LM head (random: vLLM's proposer replaces them with the
+    target's)."""
     import torch
     from safetensors.torch import save_file
 
@@ -148,29 +158,45 @@ def write_tiny_k3_checkpoint(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = tiny_text_config()
+    text = tiny_text_config(mtp_layers)
     prefix = "" if text_only else PREFIX
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in dense_weight_shapes(text).items():
-        if name.endswith(("norm.weight", "layernorm.weight")):
-            value = torch.ones(shape)
-        elif name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
-            value = torch.zeros(shape)
-        else:
-            fan_in = shape[-1]
-            value = torch.randn(shape, generator=generator) / fan_in**0.5
-        tensors[prefix + name] = value.to(torch.bfloat16).contiguous()
-    for name, shape in expert_weight_shapes(text).items():
-        weight = torch.randn(shape, generator=generator) / shape[1] ** 0.5
-        packed, scale = mxfp4_encode(weight)
-        tensors[f"{prefix}{name}.weight_packed"] = packed.contiguous()
-        tensors[f"{prefix}{name}.weight_scale"] = scale.contiguous()
+    drafts = draft_layers(text)
+    mtp_dense = mtp_weight_shapes(text)
+    for layer in drafts:
+        for copy in (MTP_EMBEDDING, MTP_HEAD):
+            mtp_dense[f"model.layers.{layer}.{copy}"] = (
+                text["vocab_size"],
+                text["hidden_size"],
+            )
+    # The text model's tensors first: its weights do not depend on ``mtp_layers``.
+    parts = (
+        (dense_weight_shapes(text), expert_weight_shapes(text)),
+        (mtp_dense, expert_weight_shapes(text, drafts)),
+    )
+    for dense, experts in parts:
+        for name, shape in dense.items():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                value = torch.ones(shape)
+            elif name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
+                value = torch.zeros(shape)
+            else:
+                fan_in = shape[-1]
+                value = torch.randn(shape, generator=generator) / fan_in**0.5
+            tensors[prefix + name] = value.to(torch.bfloat16).contiguous()
+        for name, shape in experts.items():
+            weight = torch.randn(shape, generator=generator) / shape[1] ** 0.5
+            packed, scale = mxfp4_encode(weight)
+            tensors[f"{prefix}{name}.weight_packed"] = packed.contiguous()
+            tensors[f"{prefix}{name}.weight_scale"] = scale.contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return write_tiny_k3_config(out_dir, text_only=text_only)
+    return write_tiny_k3_config(out_dir, text_only=text_only, mtp_layers=mtp_layers)
 
 
-def write_tiny_k3_config(out_dir: Path, *, text_only: bool = False) -> Path:
+def write_tiny_k3_config(
+    out_dir: Path, *, text_only: bool = False, mtp_layers: int = 0
+) -> Path:
     """The tiny checkpoint without its weights: config, generation config and
     tokenizer, what vLLM's tokenizer loader reads (the replay's tokenizer folder)."""
     import transformers
@@ -178,7 +204,7 @@ def write_tiny_k3_config(out_dir: Path, *, text_only: bool = False) -> Path:
     from vllm_k3_plugin.tools.tokenizer import chat_template, write_hf_tokenizer
 
     out_dir = Path(out_dir)
-    text = tiny_text_config()
+    text = tiny_text_config(mtp_layers)
     config = text_only_config(text) if text_only else k3_config(text)
     # As every saved config carries it (transformers reads a config without it as
     # possibly a Mistral tokenizer's, and warns).
@@ -203,9 +229,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a KimiK3ForCausalLM checkpoint (text config, no language_model. prefix)",
     )
+    parser.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        help="MTP draft layers after the text model's (for --speculative-config "
+        '\'{"method": "mtp"}\')',
+    )
     args = parser.parse_args(argv)
     path = write_tiny_k3_checkpoint(
-        args.out_dir, seed=args.seed, text_only=args.text_only
+        args.out_dir,
+        seed=args.seed,
+        text_only=args.text_only,
+        mtp_layers=args.mtp_layers,
     )
     print(f"wrote a tiny Kimi-K3 checkpoint to {path}")
     return 0
