@@ -245,6 +245,59 @@ def test_the_target_leaves_the_mtp_layer_to_the_drafter(
     assert not [r for r in plugin_log if "not used" in r.getMessage()]
 
 
+def test_without_copies_the_drafter_holds_the_targets_embedding_and_head(
+    vllm_config, mtp_checkpoint
+):
+    """A checkpoint whose draft layer carries no copy of the embedding or the LM
+    head: the drafter loads the target's tensors (vLLM shares the target's modules
+    only without pipeline parallelism)."""
+    from vllm_k3_plugin.model.mtp import KimiK3Mtp
+
+    copies = ("layers.6.embed_tokens.weight", "layers.6.shared_head.head.weight")
+    weights = {n: t for n, t in mtp_checkpoint[1].items() if not n.endswith(copies)}
+    drafter = _built_with_mtp(vllm_config, mtp_checkpoint, KimiK3Mtp)
+    loaded = drafter.load_weights(weights.items())
+    assert loaded == {name for name, _ in drafter.named_parameters()}
+    prefix = "language_model."
+    for got, name in (
+        (drafter.model.embed_tokens.weight, "model.embed_tokens.weight"),
+        (drafter.model.layer(0).shared_head.head.weight, "lm_head.weight"),
+    ):
+        assert torch.equal(got, weights[prefix + name].float()), name
+
+
+def test_the_target_returns_hidden_states_before_its_final_norm(
+    build, weights, vllm_config, monkeypatch
+):
+    """An MTP drafter takes the target's hidden states as vLLM's in-tree K3 gives
+    them: the final mix, before the norm, which ``compute_logits`` applies. Checked
+    with the layers stood in for and a final norm whose weight is not 1 (a norm
+    applied twice would then show)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    changed = dict(weights)
+    norm = "language_model.model.norm.weight"
+    gen = torch.Generator().manual_seed(4)
+    changed[norm] = 1 + 0.3 * torch.randn(changed[norm].shape, generator=gen)
+    model = build()
+    model.load_weights(changed.items())
+    with set_current_vllm_config(vllm_config):
+        process_weights_after_loading(
+            model, vllm_config.model_config, torch.device("cpu")
+        )
+    text = model.language_model.model
+    monkeypatch.setattr(ref, "attn_res_layers", lambda carry, *args, **kw: carry)
+    embeddings = torch.randn(3, 64, generator=gen)
+    with torch.no_grad():
+        out = text(embeddings)
+        logits = model.compute_logits(out)
+    assert_close(out, text.mix("final", [embeddings]), atol=1e-6, what="pre-norm")
+    normed = ref.rms_norm(out, changed[norm].float(), 1e-5)
+    head = changed["language_model.lm_head.weight"].float()
+    assert_close(logits, normed @ head.T, atol=1e-4, what="logits")
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -269,23 +322,28 @@ def test_an_mtp_layer_joins_the_embedding_and_the_hidden_state_as_vllms_does(
     embedding zero at position 0, then the block (attention then feed-forward, each
     added to its input, no attention residuals), then ``shared_head.norm`` for the
     head; the unnormalized output is the next draft step's hidden state. The
-    block's sublayers stood in for by fixed functions, so the wiring is what is
-    checked."""
+    block's sublayers stood in for by fixed functions, and the norms' weights made
+    unlike each other, so the wiring is what is checked."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    gen = torch.Generator().manual_seed(3)
+    weights = dict(mtp_checkpoint[1])
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        name = f"language_model.model.layers.6.{norm}.weight"
+        weights[name] = 1 + 0.3 * torch.randn(weights[name].shape, generator=gen)
 
     from vllm_k3_plugin.model.mtp import KimiK3Mtp
 
     config = engine_config(mtp_checkpoint[0])
     with set_current_vllm_config(config):
         drafter = KimiK3Mtp(vllm_config=config)
-        drafter.load_weights(mtp_checkpoint[1].items())
+        drafter.load_weights(weights.items())
         process_weights_after_loading(drafter, config.model_config, torch.device("cpu"))
     layer = drafter.model.layer(0)
     assert not hasattr(layer, "self_attention_res_norm")
     monkeypatch.setattr(layer, "attention", lambda x: 0.5 * x)
     monkeypatch.setattr(layer, "feed_forward", torch.sin)
-    gen = torch.Generator().manual_seed(3)
     ids = torch.tensor([5, 6, 7])
     positions = torch.tensor([0, 1, 2])
     hidden = torch.randn(3, 64, generator=gen)
@@ -293,7 +351,7 @@ def test_an_mtp_layer_joins_the_embedding_and_the_hidden_state_as_vllms_does(
         normed, out = drafter(ids, positions, hidden, spec_step_idx=1)
 
     def tensor(name):
-        return mtp_checkpoint[1][f"language_model.model.layers.6.{name}"].float()
+        return weights[f"language_model.model.layers.6.{name}"].float()
 
     def rms(x, name):
         return ref.rms_norm(x, tensor(f"{name}.weight"), 1e-5)

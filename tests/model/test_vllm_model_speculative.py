@@ -35,7 +35,7 @@ DRAFTERS = {
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 1,
     },
-    # One draft layer, run for each of the two drafts (spec_step_idx cycles).
+    # One draft layer, run for each of the two drafts.
     "mtp": {"method": "mtp", "num_speculative_tokens": 2},
 }
 MAX_TOKENS = 24

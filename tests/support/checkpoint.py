@@ -80,8 +80,8 @@ def write_repeating_k3_checkpoint(
     projection is scaled by ``sublayer_scale``, so that the embedding leads the
     final mix while the KDA, MLA and MoE layers still move every logprob. With
     ``mtp_layers`` MTP draft layers, each predicts the same way: ``eh_proj`` passes
-    the normalized embedding through (the target's hidden state enters through its
-    block only) to the head, which vLLM makes the target's."""
+    the normalized embedding through, with half the normalized hidden state the
+    target gave, to the head, which vLLM makes the target's."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -104,6 +104,7 @@ def write_repeating_k3_checkpoint(
         hidden = eh_proj.shape[0]
         passing = torch.zeros(hidden, 2 * hidden)
         passing[:, :hidden] = torch.eye(hidden)
+        passing[:, hidden:] = 0.5 * torch.eye(hidden)
         tensors[p + "eh_proj.weight"] = passing.to(eh_proj.dtype)
     for name, tensor in tensors.items():
         if name.endswith(SUBLAYER_OUTPUTS):

@@ -12,9 +12,10 @@ added to its input). It returns the block's output normalized for the shared hea
 unnormalized, the hidden state of its next draft step. The target's forward returns
 its hidden states before the final norm, as the in-tree class does.
 
-vLLM's proposer gives an MTP drafter the target's embedding and LM head (it replaces
-``model.embed_tokens`` and every ``shared_head.head``), as for the in-tree class;
-copies the checkpoint carries are loaded, then replaced.
+vLLM's proposer gives an MTP drafter the target's embedding and LM head without
+pipeline parallelism (it replaces ``model.embed_tokens`` and every
+``shared_head.head``), as for the in-tree class; the drafter loads the copies the
+checkpoint carries, or the target's tensors, so that it holds them either way.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     MTP_EMBEDDING,
     MTP_HEAD,
     expert_weight_shapes,
+    is_kda_layer,
     mtp_layers,
     mtp_weight_shapes,
 )
@@ -65,6 +67,11 @@ class MtpLayer(DecoderLayer):
     ``shared_head``."""
 
     def __init__(self, config, vllm_config: VllmConfig, layer: int, prefix: str):
+        if is_kda_layer(config.to_dict(), layer):
+            raise ValueError(
+                f"{prefix}: the config lists MTP draft layer {layer + 1} as a KDA "
+                "layer; vLLM's Kimi-K3 MTP drafts with MLA layers only"
+            )
         super().__init__(config, vllm_config, layer, prefix, attention_residuals=False)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(hidden, eps=eps)
@@ -158,29 +165,38 @@ class KimiK3Mtp(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The draft layers' tensors (the published checkpoint's names, with or
-        without ``language_model.``); the target's are skipped. The copies of the
-        target's embedding (the first draft layer's is the drafter's) and LM head
-        are loaded where the checkpoint has them."""
+        without ``language_model.``). The embedding (the first draft layer's copy)
+        and each draft layer's LM head (its ``shared_head.head``) come from the
+        layer's copies, or from the target's own tensors where the checkpoint has
+        no copy: vLLM replaces both with the target's modules only without
+        pipeline parallelism. The target's other tensors are skipped."""
         text = self.config.to_dict()
         layers = mtp_layers(text)
         drafts = tuple(f"model.layers.{i}." for i in layers)
-        embedding = f"model.layers.{layers[0]}.{MTP_EMBEDDING}"
         vocab = (text["vocab_size"], text["hidden_size"])
-        heads = {f"model.layers.{i}.{MTP_HEAD}": vocab for i in layers}
-        dense = {**mtp_weight_shapes(text), **heads, "model.embed_tokens.weight": vocab}
+        embedding = "model.embed_tokens.weight"
+        heads = [f"model.layers.{i}.{MTP_HEAD}" for i in layers]
+        dense = {**mtp_weight_shapes(text), **dict.fromkeys([embedding, *heads], vocab)}
+        # Per parameter: the draft layer's copy, else the target's tensor.
+        sources = {
+            embedding: (f"model.layers.{layers[0]}.{MTP_EMBEDDING}", embedding),
+            **{head: (head, "lm_head.weight") for head in heads},
+        }
+        wanted = {name for pair in sources.values() for name in pair}
 
         def draft_weights():
+            found = {}
             for name, tensor in weights:
                 name = name.removeprefix(LANGUAGE_MODEL_PREFIX)
-                if name == embedding:
-                    yield "model.embed_tokens.weight", tensor
+                if name in wanted:
+                    found[name] = tensor
                 elif name.startswith(drafts) and not name.endswith(MTP_EMBEDDING):
                     yield name, tensor
+            for param, (copy, target) in sources.items():
+                tensor = found.get(copy, found.get(target))
+                if tensor is not None:
+                    yield param, tensor
 
         return load_k3_tensors(
-            self,
-            draft_weights(),
-            dense,
-            expert_weight_shapes(text, layers),
-            optional={"model.embed_tokens.weight", *heads},
+            self, draft_weights(), dense, expert_weight_shapes(text, layers)
         )
