@@ -56,6 +56,20 @@ def kernels(on_gpu: bool) -> str:
     return _choice(KERNELS_ENV, default, KERNELS_CHOICES, "a kernels")
 
 
+MOE_ENV = "VLLM_K3_MOE"
+MOE_CHOICES = ("auto", "triton", "torch")
+
+
+def moe(on_gpu: bool) -> str:
+    """``VLLM_K3_MOE``: the routed experts on ``auto`` (vLLM's ``FusedMoE`` layer:
+    its router, expert parallelism and the experts kernel vLLM picks; PyTorch
+    experts on the CPU), ``triton`` (``k3_triton_kernels.moe.latent_moe``) or
+    ``torch`` (the PyTorch path). Unset, it follows ``VLLM_K3_KERNELS``
+    (``triton`` or ``torch``)."""
+    default = "triton" if kernels(on_gpu) == "triton" else "torch"
+    return _choice(MOE_ENV, default, MOE_CHOICES, "an MoE")
+
+
 def _choice(env: str, default: str, choices: tuple[str, ...], what: str) -> str:
     raw = os.environ.get(env, default).strip().lower()
     if raw not in choices:

@@ -60,13 +60,21 @@ def test_cuda_graphs_are_refused_at_load_only_where_a_layer_reads_the_host(mode)
 
 
 def test_kernels_default_to_triton_on_gpus_and_pytorch_on_the_cpu(monkeypatch):
-    from vllm_k3_plugin.envs import KERNELS_ENV, kernels
+    """``VLLM_K3_KERNELS`` by platform; ``VLLM_K3_MOE`` follows it unless set."""
+    from vllm_k3_plugin.envs import KERNELS_ENV, MOE_ENV, kernels, moe
 
     monkeypatch.delenv(KERNELS_ENV, raising=False)
-    assert kernels(on_gpu=True) == "triton"
-    assert kernels(on_gpu=False) == "pytorch"
+    monkeypatch.delenv(MOE_ENV, raising=False)
+    assert (kernels(on_gpu=True), moe(on_gpu=True)) == ("triton", "triton")
+    assert (kernels(on_gpu=False), moe(on_gpu=False)) == ("pytorch", "torch")
     monkeypatch.setenv(KERNELS_ENV, " PyTorch ")
-    assert kernels(on_gpu=True) == "pytorch"
-    monkeypatch.setenv(KERNELS_ENV, "cuda")
-    with pytest.raises(ValueError, match="triton, pytorch"):
-        kernels(on_gpu=True)
+    assert (kernels(on_gpu=True), moe(on_gpu=True)) == ("pytorch", "torch")
+    monkeypatch.setenv(MOE_ENV, " Auto ")
+    assert moe(on_gpu=False) == moe(on_gpu=True) == "auto"
+    for env, value, choices in (
+        (MOE_ENV, "fused", "auto, triton, torch"),
+        (KERNELS_ENV, "cuda", "triton, pytorch"),
+    ):
+        monkeypatch.setenv(env, value)
+        with pytest.raises(ValueError, match=choices):
+            (kernels if env == KERNELS_ENV else moe)(on_gpu=True)

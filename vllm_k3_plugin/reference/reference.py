@@ -46,9 +46,12 @@ def routed_experts(
 ) -> torch.Tensor:
     """``Σ_k weights[t, k] · expert_{ids[t, k]}(z_t)`` in fp32, for the latent ``z``
     ``[T, L]``. ``expert(e)`` gives expert ``e``'s ``(w1, w3, w2)`` weights (``[I,
-    L]``, ``[I, L]``, ``[L, I]``), multiplied as they come, with ``z``'s dtype."""
+    L]``, ``[I, L]``, ``[L, I]``), multiplied as they come, with ``z``'s dtype.
+    Pairs with a negative id (another rank's expert) are left out."""
     routed = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
     for expert_id in ids.unique().tolist():
+        if expert_id < 0:
+            continue
         w1, w3, w2 = expert(expert_id)
         rows, slot = (ids == expert_id).nonzero(as_tuple=True)
         h = z[rows]
