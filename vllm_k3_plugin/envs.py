@@ -70,6 +70,21 @@ def moe(on_gpu: bool) -> str:
     return _choice(MOE_ENV, default, MOE_CHOICES, "an MoE")
 
 
+MLA_ENV = "VLLM_K3_MLA"
+MLA_CHOICES = ("auto", "triton", "torch")
+
+
+def mla(on_gpu: bool) -> str:
+    """``VLLM_K3_MLA``: the MLA layers' attention backend: ``auto`` (the one vLLM
+    selects for the platform), ``triton`` (vLLM's MLA metadata and prefill with
+    ``k3_triton_kernels.mla.decode``: ``K3_TRITON_MLA`` on GPUs, ``K3_CPU_MLA`` on
+    the CPU) or ``torch`` (``K3_CPU_MLA`` with the decode's PyTorch reference; the
+    CPU only). Unset, it follows ``VLLM_K3_KERNELS``: ``triton``, else ``torch``
+    on the CPU and ``auto`` on GPUs."""
+    defaults = {"triton": "triton", "pytorch": "auto" if on_gpu else "torch"}
+    return _choice(MLA_ENV, defaults[kernels(on_gpu)], MLA_CHOICES, "an MLA")
+
+
 def _choice(env: str, default: str, choices: tuple[str, ...], what: str) -> str:
     raw = os.environ.get(env, default).strip().lower()
     if raw not in choices:

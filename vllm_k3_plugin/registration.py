@@ -49,7 +49,14 @@ def register_all() -> None:
 
     from vllm_k3_plugin import __version__
     from vllm_k3_plugin.compat import check_vllm_version
-    from vllm_k3_plugin.envs import kernels, metrics, model_class, moe, replay_policy
+    from vllm_k3_plugin.envs import (
+        kernels,
+        metrics,
+        mla,
+        model_class,
+        moe,
+        replay_policy,
+    )
 
     logger = init_logger("vllm.k3_plugin")
     # An unsupported vLLM or a bad VLLM_K3_* value fails here, at process start, not
@@ -61,6 +68,7 @@ def register_all() -> None:
     models = model_class(on_cpu=current_platform.is_cpu())
     kernels(on_gpu=current_platform.is_cuda_alike())
     moe(on_gpu=current_platform.is_cuda_alike())
+    mla(on_gpu=current_platform.is_cuda_alike())
     metrics()
     _register_reasoning_parser()
     _register_tool_parser()

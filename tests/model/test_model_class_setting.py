@@ -78,3 +78,32 @@ def test_kernels_default_to_triton_on_gpus_and_pytorch_on_the_cpu(monkeypatch):
         monkeypatch.setenv(env, value)
         with pytest.raises(ValueError, match=choices):
             (kernels if env == KERNELS_ENV else moe)(on_gpu=True)
+
+
+def test_the_mla_setting_picks_the_backend_and_refuses_torch_on_gpus(monkeypatch):
+    """``VLLM_K3_MLA``: unset it follows ``VLLM_K3_KERNELS`` (``triton``; else
+    ``torch`` on the CPU and vLLM's choice on GPUs); ``auto`` leaves the backend to
+    vLLM, ``triton`` is ours, ``torch`` on a GPU is refused naming the setting."""
+    from vllm.platforms import current_platform
+
+    from vllm_k3_plugin.envs import KERNELS_ENV, MLA_ENV, mla
+    from vllm_k3_plugin.model.mla_backend import (
+        K3CpuMlaBackend,
+        mla_backend_for_platform,
+    )
+
+    monkeypatch.delenv(MLA_ENV, raising=False)
+    monkeypatch.setenv(KERNELS_ENV, "pytorch")
+    assert (mla(on_gpu=False), mla(on_gpu=True)) == ("torch", "auto")
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    assert (mla(on_gpu=False), mla(on_gpu=True)) == ("triton", "triton")
+    assert mla_backend_for_platform("auto") is None
+    assert mla_backend_for_platform("torch") is K3CpuMlaBackend
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setenv(MLA_ENV, "torch")
+    with pytest.raises(ValueError, match="VLLM_K3_MLA=torch has no backend on"):
+        mla_backend_for_platform("torch")
+    monkeypatch.setenv(MLA_ENV, "flash")
+    with pytest.raises(ValueError, match="auto, triton, torch"):
+        mla(on_gpu=True)

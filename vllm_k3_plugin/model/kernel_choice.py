@@ -1,5 +1,5 @@
 """Which kernels this process's model class runs (``VLLM_K3_KERNELS``,
-``VLLM_K3_MOE``)."""
+``VLLM_K3_MOE``, ``VLLM_K3_MLA``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 from vllm.platforms import current_platform
 
-from vllm_k3_plugin.envs import KERNELS_ENV, MOE_ENV, kernels, moe
+from vllm_k3_plugin.envs import KERNELS_ENV, MLA_ENV, MOE_ENV, kernels, mla, moe
 
 
 def use_triton_kernels() -> bool:
@@ -19,8 +19,22 @@ def moe_backend() -> str:
     return moe(on_gpu=current_platform.is_cuda_alike())
 
 
+def mla_backend() -> str:
+    """``auto``, ``triton`` or ``torch`` (``envs.mla``)."""
+    return mla(on_gpu=current_platform.is_cuda_alike())
+
+
 def moe_setting() -> str:
     """The setting that chose the MoE backend, as a log line names it."""
-    if MOE_ENV in os.environ:
-        return f"{MOE_ENV}={moe_backend()}"
+    return _setting(MOE_ENV, moe_backend)
+
+
+def mla_setting() -> str:
+    """The setting that chose the MLA backend, as a log line names it."""
+    return _setting(MLA_ENV, mla_backend)
+
+
+def _setting(env: str, choice) -> str:
+    if env in os.environ:
+        return f"{env}={choice()}"
     return f"{KERNELS_ENV}={kernels(on_gpu=current_platform.is_cuda_alike())}"

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 
-from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
+from vllm_k3_plugin.model.kernel_choice import mla_backend
 from vllm_k3_plugin.model.mla_backend import mla_backend_for_platform
 
 
@@ -85,7 +85,7 @@ class GatedMlaAttention(nn.Module):
             kv_b_proj=self.kv_b_proj,
             cache_config=cache_config,
             prefix=f"{prefix}.attn",
-            attn_backend=mla_backend_for_platform(use_triton_kernels()),
+            attn_backend=mla_backend_for_platform(mla_backend()),
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

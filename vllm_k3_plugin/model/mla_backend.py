@@ -8,7 +8,7 @@ decode replaced by ``k3_triton_kernels.mla.decode``.
   metadata and SDPA prefill, decodes with ``mla_decode`` (its PyTorch reference, or
   the Triton kernel under ``TRITON_INTERPRET=1``), and adds the FP8 latent cache
   (``--kv-cache-dtype fp8``), which vLLM's CPU backend does not offer.
-- CUDA / ROCm (``K3_TRITON_MLA``, with ``VLLM_K3_KERNELS=triton``): vLLM's Triton MLA
+- CUDA / ROCm (``K3_TRITON_MLA``, with ``VLLM_K3_MLA=triton``): vLLM's Triton MLA
   backend (its metadata, prefill and latent cache write, FP8 included) with the
   decode on our kernel.
 
@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from k3_triton_kernels.mla.decode import mla_decode
 from k3_triton_kernels.mla.naive import write_latent
-from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
+from vllm_k3_plugin.model.kernel_choice import mla_backend, mla_setting
 
 PAGE_ALIGNMENT = 16
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
@@ -78,9 +78,7 @@ class K3CpuMlaImpl(CPUMLAImpl):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.reference_because = (
-            None if use_triton_kernels() else "VLLM_K3_KERNELS=pytorch"
-        )
+        self.reference_because = None if mla_backend() == "triton" else mla_setting()
 
     def do_kv_cache_update(
         self,
@@ -165,13 +163,19 @@ def gpu_mla_backend():
     return K3TritonMlaBackend
 
 
-def mla_backend_for_platform(use_kernels: bool):
-    """Our CPU backend on the CPU; ``K3_TRITON_MLA`` on GPUs with the kernels on;
-    ``None`` (vLLM selects) otherwise."""
+def mla_backend_for_platform(choice: str):
+    """The attention backend for ``VLLM_K3_MLA`` = ``choice``: ``None`` for
+    ``auto`` (vLLM selects); our CPU backend on the CPU; ``K3_TRITON_MLA`` on GPUs.
+    ``torch`` on a GPU is refused, naming the block, the choice and the platform."""
     from vllm.platforms import current_platform
 
+    if choice == "auto":
+        return None
     if current_platform.is_cpu():
         return K3CpuMlaBackend
-    if use_kernels and current_platform.is_cuda_alike():
+    if choice == "triton" and current_platform.is_cuda_alike():
         return gpu_mla_backend()
-    return None
+    raise ValueError(
+        f"Kimi-K3 MLA: {mla_setting()} has no backend on {current_platform.device_name}"
+        " (the PyTorch decode serves the CPU only); choose auto or triton"
+    )
