@@ -74,15 +74,23 @@ MLA_ENV = "VLLM_K3_MLA"
 MLA_CHOICES = ("auto", "triton", "torch")
 
 
-def mla(on_gpu: bool) -> str:
+def mla(on_gpu: bool, on_cpu: bool) -> str:
     """``VLLM_K3_MLA``: the MLA layers' attention backend: ``auto`` (the one vLLM
     selects for the platform), ``triton`` (vLLM's MLA metadata and prefill with
-    ``k3_triton_kernels.mla.decode``: ``K3_TRITON_MLA`` on GPUs, ``K3_CPU_MLA`` on
-    the CPU) or ``torch`` (``K3_CPU_MLA`` with the decode's PyTorch reference; the
-    CPU only). Unset, it follows ``VLLM_K3_KERNELS``: ``triton``, else ``torch``
-    on the CPU and ``auto`` on GPUs."""
-    defaults = {"triton": "triton", "pytorch": "auto" if on_gpu else "torch"}
+    ``k3_triton_kernels.mla.decode``: ``K3_TRITON_MLA`` on CUDA and ROCm,
+    ``K3_CPU_MLA`` on the CPU) or ``torch`` (``K3_CPU_MLA`` with the decode's
+    PyTorch reference; the CPU only). Unset, it follows ``VLLM_K3_KERNELS``:
+    ``triton``, else ``torch`` on the CPU and ``auto`` elsewhere."""
+    defaults = {"triton": "triton", "pytorch": "torch" if on_cpu else "auto"}
     return _choice(MLA_ENV, defaults[kernels(on_gpu)], MLA_CHOICES, "an MLA")
+
+
+def setting_source(env: str, value: str, on_gpu: bool) -> str:
+    """The setting that chose ``value`` for ``env``, as a log line names it: the
+    variable itself, or ``VLLM_K3_KERNELS`` where it is unset."""
+    if env in os.environ:
+        return f"{env}={value}"
+    return f"{KERNELS_ENV}={kernels(on_gpu)}"
 
 
 def _choice(env: str, default: str, choices: tuple[str, ...], what: str) -> str:

@@ -68,7 +68,7 @@ def register_all() -> None:
     models = model_class(on_cpu=current_platform.is_cpu())
     kernels(on_gpu=current_platform.is_cuda_alike())
     moe(on_gpu=current_platform.is_cuda_alike())
-    mla(on_gpu=current_platform.is_cuda_alike())
+    mla(on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu())
     metrics()
     _register_reasoning_parser()
     _register_tool_parser()

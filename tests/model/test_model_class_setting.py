@@ -87,6 +87,7 @@ def test_the_mla_setting_picks_the_backend_and_refuses_torch_on_gpus(monkeypatch
     from vllm.platforms import current_platform
 
     from vllm_k3_plugin.envs import KERNELS_ENV, MLA_ENV, mla
+    from vllm_k3_plugin.model import mla_backend as backends
     from vllm_k3_plugin.model.mla_backend import (
         K3CpuMlaBackend,
         mla_backend_for_platform,
@@ -94,16 +95,27 @@ def test_the_mla_setting_picks_the_backend_and_refuses_torch_on_gpus(monkeypatch
 
     monkeypatch.delenv(MLA_ENV, raising=False)
     monkeypatch.setenv(KERNELS_ENV, "pytorch")
-    assert (mla(on_gpu=False), mla(on_gpu=True)) == ("torch", "auto")
+    cpu, gpu, other = (
+        {"on_gpu": False, "on_cpu": True},
+        {"on_gpu": True, "on_cpu": False},
+        {"on_gpu": False, "on_cpu": False},
+    )
+    assert (mla(**cpu), mla(**gpu), mla(**other)) == ("torch", "auto", "auto")
     monkeypatch.setenv(KERNELS_ENV, "triton")
-    assert (mla(on_gpu=False), mla(on_gpu=True)) == ("triton", "triton")
+    assert (mla(**cpu), mla(**gpu)) == ("triton", "triton")
     assert mla_backend_for_platform("auto") is None
     assert mla_backend_for_platform("torch") is K3CpuMlaBackend
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(backends, "gpu_mla_backend", lambda: "K3_TRITON_MLA")
+    assert mla_backend_for_platform("triton") == "K3_TRITON_MLA"
     monkeypatch.setenv(MLA_ENV, "torch")
     with pytest.raises(ValueError, match="VLLM_K3_MLA=torch has no backend on"):
         mla_backend_for_platform("torch")
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: False)
+    monkeypatch.setenv(MLA_ENV, "triton")
+    with pytest.raises(ValueError, match="serves CUDA and ROCm only"):
+        mla_backend_for_platform("triton")
     monkeypatch.setenv(MLA_ENV, "flash")
     with pytest.raises(ValueError, match="auto, triton, torch"):
-        mla(on_gpu=True)
+        mla(**gpu)

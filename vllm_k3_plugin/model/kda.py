@@ -58,6 +58,7 @@ from k3_triton_kernels.kda.decode import kda_decode
 from k3_triton_kernels.kda.naive import delta_rule_inputs
 from k3_triton_kernels.kda.windows import kda_windows
 from k3_triton_kernels.runtime import CHUNKED_KDA_MAX_CHUNK, log_path
+from vllm_k3_plugin.envs import KERNELS_ENV
 from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import gate_lower_bound
@@ -202,9 +203,10 @@ class KdaAttention(nn.Module, MambaBase):
         if self.use_kernels and self.num_spec:
             log_path("KDA speculative verification", "PyTorch only")
         if not self.use_kernels:
-            log_path("KDA prefill chunk terms", "VLLM_K3_KERNELS=pytorch")
-            log_path("KDA prefill state pass", "VLLM_K3_KERNELS=pytorch")
-            log_path("KDA decode", "VLLM_K3_KERNELS=pytorch")
+            setting = f"{KERNELS_ENV}=pytorch"
+            log_path("KDA prefill chunk terms", setting)
+            log_path("KDA prefill state pass", setting)
+            log_path("KDA decode", setting)
         self.chunk = chunk_size_for(self.lower_bound)
         if self.use_kernels:
             self.chunk = min(self.chunk, CHUNKED_KDA_MAX_CHUNK)

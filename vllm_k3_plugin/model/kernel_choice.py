@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import os
-
 from vllm.platforms import current_platform
 
-from vllm_k3_plugin.envs import KERNELS_ENV, MLA_ENV, MOE_ENV, kernels, mla, moe
+from vllm_k3_plugin.envs import MLA_ENV, MOE_ENV, kernels, mla, moe, setting_source
 
 
 def use_triton_kernels() -> bool:
@@ -21,20 +19,16 @@ def moe_backend() -> str:
 
 def mla_backend() -> str:
     """``auto``, ``triton`` or ``torch`` (``envs.mla``)."""
-    return mla(on_gpu=current_platform.is_cuda_alike())
+    return mla(
+        on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu()
+    )
 
 
 def moe_setting() -> str:
     """The setting that chose the MoE backend, as a log line names it."""
-    return _setting(MOE_ENV, moe_backend)
+    return setting_source(MOE_ENV, moe_backend(), current_platform.is_cuda_alike())
 
 
 def mla_setting() -> str:
     """The setting that chose the MLA backend, as a log line names it."""
-    return _setting(MLA_ENV, mla_backend)
-
-
-def _setting(env: str, choice) -> str:
-    if env in os.environ:
-        return f"{env}={choice()}"
-    return f"{KERNELS_ENV}={kernels(on_gpu=current_platform.is_cuda_alike())}"
+    return setting_source(MLA_ENV, mla_backend(), current_platform.is_cuda_alike())

@@ -165,8 +165,9 @@ def gpu_mla_backend():
 
 def mla_backend_for_platform(choice: str):
     """The attention backend for ``VLLM_K3_MLA`` = ``choice``: ``None`` for
-    ``auto`` (vLLM selects); our CPU backend on the CPU; ``K3_TRITON_MLA`` on GPUs.
-    ``torch`` on a GPU is refused, naming the block, the choice and the platform."""
+    ``auto`` (vLLM selects); our CPU backend on the CPU; ``K3_TRITON_MLA`` on CUDA
+    and ROCm. Any other choice is refused at load, naming the setting and the
+    platform."""
     from vllm.platforms import current_platform
 
     if choice == "auto":
@@ -175,7 +176,12 @@ def mla_backend_for_platform(choice: str):
         return K3CpuMlaBackend
     if choice == "triton" and current_platform.is_cuda_alike():
         return gpu_mla_backend()
+    why = (
+        "the PyTorch decode serves the CPU only"
+        if choice == "torch"
+        else "our MLA kernel backend serves CUDA and ROCm only"
+    )
     raise ValueError(
-        f"Kimi-K3 MLA: {mla_setting()} has no backend on {current_platform.device_name}"
-        " (the PyTorch decode serves the CPU only); choose auto or triton"
+        f"Kimi-K3 MLA layers: {mla_setting()} has no backend on "
+        f"{current_platform.device_name} ({why}); set VLLM_K3_MLA=auto"
     )

@@ -507,14 +507,15 @@ def check_cuda_graphs(vllm_config: VllmConfig, model: nn.Module, *, on_gpu: bool
       host); a decode-only step, with or without draft tokens, reads nothing back
       and is captured whole in a full graph (``KdaAttention._decode_only``,
       ``_windows``). Its metadata is vLLM's GDN builder's (uniform batches).
-    - MLA: vLLM's ``MLAAttention``, a break; in a full graph our decode kernel
-      splits each row's own length on the device, its split count fixed at capture
-      from the capture's ``max_seq_len`` (vLLM's ``max_model_len``). Metadata: vLLM's
-      Triton MLA builder (uniform batches).
-    - MoE on the kernels, the attention residuals, norms, projections and the
-      embedding: captured; they read nothing back (vLLM runs the LM head outside
-      the graph). The MoE's PyTorch path groups tokens on the host: refused here,
-      naming the layer and why it took that path."""
+    - MLA: vLLM's ``MLAAttention``, a break. Under ``K3_TRITON_MLA`` (metadata:
+      vLLM's Triton MLA builder, uniform batches) our decode kernel splits each
+      row's own length on the device, its split count fixed at capture from the
+      capture's ``max_seq_len`` (vLLM's ``max_model_len``); under
+      ``VLLM_K3_MLA=auto``, vLLM's backend and its builder's declared support.
+    - MoE on the kernels or on vLLM's FusedMoE, the attention residuals, norms,
+      projections and the embedding: captured; they read nothing back (vLLM runs
+      the LM head outside the graph). The MoE's PyTorch path groups tokens on
+      the host: refused here, naming the layer and why it took that path."""
     mode = vllm_config.compilation_config.cudagraph_mode
     if not on_gpu or mode is None or mode == CUDAGraphMode.NONE:
         return

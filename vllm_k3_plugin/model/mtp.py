@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -48,6 +49,8 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     mtp_layers,
     mtp_weight_shapes,
 )
+
+logger = init_logger("vllm.k3_plugin.model")
 
 
 class SharedHead(nn.Module):
@@ -137,6 +140,12 @@ class KimiK3Mtp(nn.Module):
             prefix=f"{prefix}.model" if prefix else "model",
         )
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        logger.info(
+            "Kimi-K3 MTP drafter %s.%s: draft layer(s) %s",
+            type(self).__module__,
+            type(self).__qualname__,
+            list(self.model.layer_indices),
+        )
         # vLLM captures the drafter in the target's graph forms.
         check_cuda_graphs(vllm_config, self, on_gpu=current_platform.is_cuda_alike())
 
