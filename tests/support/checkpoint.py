@@ -86,6 +86,7 @@ def write_repeating_k3_checkpoint(
     from safetensors.torch import load_file, save_file
 
     from vllm_k3_plugin.reference.checkpoint_format import LANGUAGE_MODEL_PREFIX
+    from vllm_k3_plugin.reference.checkpoint_format import mtp_layers as draft_layers
     from vllm_k3_plugin.tools.tiny import tiny_text_config, write_tiny_k3_checkpoint
 
     out_dir = write_tiny_k3_checkpoint(Path(out_dir), mtp_layers=mtp_layers)
@@ -95,10 +96,7 @@ def write_repeating_k3_checkpoint(
     tensors[LANGUAGE_MODEL_PREFIX + "lm_head.weight"] = tensors[
         model + "embed_tokens.weight"
     ].clone()
-    text = tiny_text_config(mtp_layers)
-    for layer in range(
-        text["num_hidden_layers"], text["num_hidden_layers"] + mtp_layers
-    ):
+    for layer in draft_layers(tiny_text_config(mtp_layers)):
         p = f"{model}layers.{layer}."
         eh_proj = tensors[p + "eh_proj.weight"]
         hidden = eh_proj.shape[0]

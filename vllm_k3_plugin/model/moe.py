@@ -225,17 +225,16 @@ class LatentMoe(nn.Module):
         if blocker is not None:
             log_path("Latent MoE", blocker)
         self.use_kernels = blocker is None
-        # The PyTorch path groups tokens by expert on the host (``ref.routed_experts``
-        # reads the ids back), so no CUDA graph can hold it.
-        if not self.use_kernels:
+        if self.use_kernels:
+            self.experts = StackedMxfp4Experts(num_experts, latent, local_inner)
+        else:
+            # The PyTorch path groups tokens by expert on the host
+            # (``ref.routed_experts`` reads the ids back): no CUDA graph holds it.
             self.graph_blocker = (
                 f"the routed experts take the PyTorch path ({blocker}), which reads "
                 "the expert ids back to the host"
                 + ("" if backend == "triton" else ", unlike VLLM_K3_MOE=auto or triton")
             )
-        if self.use_kernels:
-            self.experts = StackedMxfp4Experts(num_experts, latent, local_inner)
-        else:
             dtype = torch.get_default_dtype()
             self.experts = nn.ModuleList(
                 RoutedExpert(latent, local_inner, dtype) for _ in range(num_experts)
@@ -276,24 +275,22 @@ class LatentMoe(nn.Module):
         return ref.routed_experts(z, ids, weights, expert, **self.betas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.on_vllm_layer:
-            z = self.routed_expert_down_proj(x)[0]
-            routed = self.experts(z, x.float() @ self.gate.weight.T)
-            routed = self.routed_expert_up_proj(
-                self.routed_expert_norm(routed.to(x.dtype))
-            )[0]
-            return routed + self.shared_experts(x)
-        weights, ids = ref.route(
-            x.float() @ self.gate.weight.T,
-            self.gate.e_score_correction_bias,
-            self.top_k,
-            renormalize=self.renormalize,
-            scaling_factor=self.scaling,
-        )
+        logits = x.float() @ self.gate.weight.T
         z = self.routed_expert_down_proj(x)[0]
-        routed = self.routed_experts(z, ids, weights)
-        if self.tp_size > 1:
-            routed = tensor_model_parallel_all_reduce(routed)
+        if self.on_vllm_layer:
+            # vLLM's layer routes and reduces over the ranks itself.
+            routed = self.experts(z, logits)
+        else:
+            weights, ids = ref.route(
+                logits,
+                self.gate.e_score_correction_bias,
+                self.top_k,
+                renormalize=self.renormalize,
+                scaling_factor=self.scaling,
+            )
+            routed = self.routed_experts(z, ids, weights)
+            if self.tp_size > 1:
+                routed = tensor_model_parallel_all_reduce(routed)
         routed = self.routed_expert_up_proj(
             self.routed_expert_norm(routed.to(x.dtype))
         )[0]
