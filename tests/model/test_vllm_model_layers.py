@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 
 from k3_triton_kernels.moe import naive as moe_reference
 from tests.support.host_reads import no_host_reads
+from tests.support.one_rank import one_rank
 from tests.support.tensors import assert_close
 from vllm_k3_plugin.envs import KERNELS_ENV, MLA_ENV, MOE_ENV
 from vllm_k3_plugin.reference import reference as ref
@@ -39,25 +39,8 @@ def engine_config(checkpoint, **extra):
 
 @pytest.fixture(scope="module")
 def vllm_config(tiny_k3_checkpoint):
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        cleanup_dist_env_and_memory,
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-    )
-
-    config = engine_config(tiny_k3_checkpoint)
-    with set_current_vllm_config(config), tempfile.TemporaryDirectory() as scratch:
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"file://{scratch}/rendezvous",
-            backend="gloo",
-        )
-        ensure_model_parallel_initialized(1, 1)
+    with one_rank(engine_config(tiny_k3_checkpoint)) as config:
         yield config
-        cleanup_dist_env_and_memory()
 
 
 @contextlib.contextmanager
@@ -169,11 +152,28 @@ def test_a_wrong_shape_is_named(build, weights):
         build().load_weights(bad.items())
 
 
-def test_a_wrong_mxfp4_scale_shape_is_named(build, weights):
-    name = "language_model.model.layers.4.block_sparse_moe.experts.0.w1.weight_scale"
-    bad = {**weights, name: weights[name][:, :0]}
-    with pytest.raises(WeightShapeError, match=r"experts\.0\.w1\.weight_scale"):
-        build().load_weights(bad.items())
+MOE_BACKENDS = ["torch", "auto", "triton"]
+
+
+@pytest.mark.parametrize("moe", MOE_BACKENDS)
+@pytest.mark.parametrize("half", ["weight_packed", "weight_scale"])
+def test_a_misshapen_expert_tensor_is_named(build, weights, moe, half):
+    """On every MoE backend (vLLM's expert loader would take a narrower tensor
+    into the front of its parameter without a word)."""
+    name = f"language_model.model.layers.4.block_sparse_moe.experts.0.w2.{half}"
+    bad = {**weights, name: weights[name][:, :-1]}
+    with pytest.raises(WeightShapeError, match=rf"experts\.0\.w2\.{half}: "):
+        build("pytorch", moe).load_weights(bad.items())
+
+
+@pytest.mark.parametrize("moe", MOE_BACKENDS)
+def test_a_missing_expert_is_named(build, weights, moe):
+    stem = "language_model.model.layers.3.block_sparse_moe.experts.7.w3"
+    rest = [(n, t) for n, t in weights.items() if not n.startswith(stem)]
+    with pytest.raises(
+        ValueError, match=r"layers\.3\.block_sparse_moe\.experts\.7\.w3"
+    ):
+        build("pytorch", moe).load_weights(rest)
 
 
 def test_an_mxfp4_half_without_its_pair_is_named(build, weights):
