@@ -35,9 +35,8 @@ def model_class(on_cpu: bool) -> str:
     """``VLLM_K3_MODEL_CLASS``: ``plugin`` (the Kimi-K3 architectures load this
     package's model class) or ``vllm`` (keep vLLM's in-tree class).
 
-    The default is ``plugin`` on the CPU and ``vllm`` elsewhere: our class computes
-    with PyTorch paths and decodes the MXFP4 experts to BF16, which the real model
-    cannot afford on GPUs until the Triton kernels are wired in."""
+    The default is ``plugin`` on the CPU and ``vllm`` elsewhere: on GPUs vLLM's
+    in-tree class is the production path, and ours has not run on a GPU yet."""
     default = "plugin" if on_cpu else "vllm"
     return _choice(MODEL_CLASS_ENV, default, MODEL_CLASS_CHOICES, "a model class")
 
@@ -47,13 +46,20 @@ KERNELS_CHOICES = ("triton", "pytorch")
 
 
 def kernels(on_gpu: bool) -> str:
-    """``VLLM_K3_KERNELS``: ``triton`` (the model class runs the MLA decode and latent
-    MoE kernels of ``k3_triton_kernels``) or ``pytorch`` (their PyTorch paths).
+    """``VLLM_K3_KERNELS``: ``triton`` (the project's kernels for every block whose
+    own setting is unset: ``k3_triton_kernels``' MLA decode, latent MoE and KDA) or
+    ``pytorch`` (their PyTorch paths; MLA on GPUs: vLLM's backend).
 
-    The default is ``triton`` on GPUs and ``pytorch`` on the CPU, where Triton runs
-    only under ``TRITON_INTERPRET=1`` (slow; for tests)."""
+    Unset, each block takes its own default (``moe``, ``mla``, ``kda``); this
+    function then answers for the KDA layers: ``triton`` on GPUs and ``pytorch``
+    on the CPU, where Triton runs only under ``TRITON_INTERPRET=1`` (slow; for
+    tests)."""
     default = "triton" if on_gpu else "pytorch"
     return _choice(KERNELS_ENV, default, KERNELS_CHOICES, "a kernels")
+
+
+def _kernels_set() -> bool:
+    return KERNELS_ENV in os.environ
 
 
 MOE_ENV = "VLLM_K3_MOE"
@@ -62,11 +68,14 @@ MOE_CHOICES = ("auto", "triton", "torch")
 
 def moe(on_gpu: bool) -> str:
     """``VLLM_K3_MOE``: the routed experts on ``auto`` (vLLM's ``FusedMoE`` layer:
-    its router, expert parallelism and the experts kernel vLLM picks; PyTorch
-    experts on the CPU), ``triton`` (``k3_triton_kernels.moe.latent_moe``) or
-    ``torch`` (the PyTorch path). Unset, it follows ``VLLM_K3_KERNELS``
-    (``triton`` or ``torch``)."""
-    default = "triton" if kernels(on_gpu) == "triton" else "torch"
+    its router, expert parallelism and the experts kernel and quantization method
+    vLLM picks; PyTorch experts inside it on the CPU), ``triton``
+    (``k3_triton_kernels.moe.latent_moe``) or ``torch`` (the PyTorch path).
+    Unset: ``auto``, unless ``VLLM_K3_KERNELS`` is set (then ``triton`` or
+    ``torch`` as it says)."""
+    default = "auto"
+    if _kernels_set():
+        default = "triton" if kernels(on_gpu) == "triton" else "torch"
     return _choice(MOE_ENV, default, MOE_CHOICES, "an MoE")
 
 
@@ -79,18 +88,39 @@ def mla(on_gpu: bool, on_cpu: bool) -> str:
     selects for the platform), ``triton`` (vLLM's MLA metadata and prefill with
     ``k3_triton_kernels.mla.decode``: ``K3_TRITON_MLA`` on CUDA and ROCm,
     ``K3_CPU_MLA`` on the CPU) or ``torch`` (``K3_CPU_MLA`` with the decode's
-    PyTorch reference; the CPU only). Unset, it follows ``VLLM_K3_KERNELS``:
-    ``triton``, else ``torch`` on the CPU and ``auto`` elsewhere."""
-    defaults = {"triton": "triton", "pytorch": "torch" if on_cpu else "auto"}
-    return _choice(MLA_ENV, defaults[kernels(on_gpu)], MLA_CHOICES, "an MLA")
+    PyTorch reference; the CPU only). Unset: ``auto`` off the CPU and ``torch`` on
+    it (vLLM's CPU MLA backends cannot serve K3 in general: ``CPU_MLA`` pages hold
+    16 tokens, a hybrid model's hold a KDA state; ``AMX_MLA`` needs an AMX host
+    and bf16 weights); with ``VLLM_K3_KERNELS`` set, ``triton`` for ``triton``,
+    and the unset defaults for ``pytorch``."""
+    default = "torch" if on_cpu else "auto"
+    if _kernels_set() and kernels(on_gpu) == "triton":
+        default = "triton"
+    return _choice(MLA_ENV, default, MLA_CHOICES, "an MLA")
+
+
+KDA_ENV = "VLLM_K3_KDA"
+KDA_CHOICES = ("triton", "torch")
+
+
+def kda(on_gpu: bool) -> str:
+    """``VLLM_K3_KDA``: the KDA layers' delta rule on ``triton``
+    (``k3_triton_kernels.kda``: chunk terms and state pass for prefills, the fused
+    decode step) or ``torch`` (their PyTorch paths). Unset, it follows
+    ``VLLM_K3_KERNELS`` (``triton`` on GPUs, ``torch`` on the CPU). No ``auto``
+    yet: vLLM's KDA ops are not wired into this class (docs/model_class.md)."""
+    default = "triton" if kernels(on_gpu) == "triton" else "torch"
+    return _choice(KDA_ENV, default, KDA_CHOICES, "a KDA")
 
 
 def setting_source(env: str, value: str, on_gpu: bool) -> str:
     """The setting that chose ``value`` for ``env``, as a log line names it: the
-    variable itself, or ``VLLM_K3_KERNELS`` where it is unset."""
+    variable itself, ``VLLM_K3_KERNELS`` where that chose, else the default."""
     if env in os.environ:
         return f"{env}={value}"
-    return f"{KERNELS_ENV}={kernels(on_gpu)}"
+    if _kernels_set() or env == KDA_ENV:
+        return f"{KERNELS_ENV}={kernels(on_gpu)}"
+    return f"{env}={value}, its default here"
 
 
 def _choice(env: str, default: str, choices: tuple[str, ...], what: str) -> str:

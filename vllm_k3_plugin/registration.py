@@ -50,6 +50,7 @@ def register_all() -> None:
     from vllm_k3_plugin import __version__
     from vllm_k3_plugin.compat import check_vllm_version
     from vllm_k3_plugin.envs import (
+        kda,
         kernels,
         metrics,
         mla,
@@ -69,6 +70,7 @@ def register_all() -> None:
     kernels(on_gpu=current_platform.is_cuda_alike())
     moe(on_gpu=current_platform.is_cuda_alike())
     mla(on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu())
+    kda(on_gpu=current_platform.is_cuda_alike())
     metrics()
     _register_reasoning_parser()
     _register_tool_parser()

@@ -59,31 +59,56 @@ def test_cuda_graphs_are_refused_at_load_only_where_a_layer_reads_the_host(mode)
     check_cuda_graphs(config(mode), nn.Sequential(layer(None)), on_gpu=True)
 
 
-def test_kernels_default_to_triton_on_gpus_and_pytorch_on_the_cpu(monkeypatch):
-    """``VLLM_K3_KERNELS`` by platform; ``VLLM_K3_MOE`` follows it unless set."""
-    from vllm_k3_plugin.envs import KERNELS_ENV, MOE_ENV, kernels, moe
+def test_each_block_defaults_to_vllms_layer_where_it_has_one(monkeypatch):
+    """Unset: the MoE on vLLM's FusedMoE everywhere, MLA on vLLM's backend off the
+    CPU, KDA on our kernels on GPUs (no ``auto`` for KDA yet) and PyTorch on the
+    CPU. ``VLLM_K3_KERNELS`` set: every unset block follows it."""
+    from vllm_k3_plugin.envs import (
+        KDA_ENV,
+        KERNELS_ENV,
+        MLA_ENV,
+        MOE_ENV,
+        kda,
+        kernels,
+        mla,
+        moe,
+        setting_source,
+    )
 
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
-    monkeypatch.delenv(MOE_ENV, raising=False)
-    assert (kernels(on_gpu=True), moe(on_gpu=True)) == ("triton", "triton")
-    assert (kernels(on_gpu=False), moe(on_gpu=False)) == ("pytorch", "torch")
+    for env in (KERNELS_ENV, MOE_ENV, MLA_ENV, KDA_ENV):
+        monkeypatch.delenv(env, raising=False)
+
+    def blocks(on_gpu: bool) -> tuple[str, str, str]:
+        return moe(on_gpu), mla(on_gpu, on_cpu=not on_gpu), kda(on_gpu)
+
+    assert blocks(on_gpu=True) == ("auto", "auto", "triton")
+    assert blocks(on_gpu=False) == ("auto", "torch", "torch")
+    assert setting_source(MOE_ENV, "auto", True) == "VLLM_K3_MOE=auto, its default here"
+    assert setting_source(KDA_ENV, "torch", False) == "VLLM_K3_KERNELS=pytorch"
     monkeypatch.setenv(KERNELS_ENV, " PyTorch ")
-    assert (kernels(on_gpu=True), moe(on_gpu=True)) == ("pytorch", "torch")
+    assert kernels(on_gpu=True) == "pytorch"
+    assert blocks(on_gpu=True) == ("torch", "auto", "torch")
+    assert blocks(on_gpu=False) == ("torch", "torch", "torch")
+    assert setting_source(MOE_ENV, "torch", True) == "VLLM_K3_KERNELS=pytorch"
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    assert blocks(on_gpu=False) == ("triton", "triton", "triton")
     monkeypatch.setenv(MOE_ENV, " Auto ")
-    assert moe(on_gpu=False) == moe(on_gpu=True) == "auto"
-    for env, value, choices in (
-        (MOE_ENV, "fused", "auto, triton, torch"),
-        (KERNELS_ENV, "cuda", "triton, pytorch"),
+    monkeypatch.setenv(KDA_ENV, "torch")
+    assert blocks(on_gpu=True) == ("auto", "triton", "torch")
+    assert setting_source(KDA_ENV, "torch", True) == "VLLM_K3_KDA=torch"
+    for env, value, choices, read in (
+        (MOE_ENV, "fused", "auto, triton, torch", moe),
+        (KDA_ENV, "auto", "triton, torch", kda),
+        (KERNELS_ENV, "cuda", "triton, pytorch", kernels),
     ):
         monkeypatch.setenv(env, value)
-        with pytest.raises(ValueError, match=choices):
-            (kernels if env == KERNELS_ENV else moe)(on_gpu=True)
+        with pytest.raises(ValueError, match=f"{env}='{value}' .*{choices}"):
+            read(on_gpu=True)
 
 
 def test_the_mla_setting_picks_the_backend_and_refuses_torch_on_gpus(monkeypatch):
-    """``VLLM_K3_MLA``: unset it follows ``VLLM_K3_KERNELS`` (``triton``; else
-    ``torch`` on the CPU and vLLM's choice on GPUs); ``auto`` leaves the backend to
-    vLLM, ``triton`` is ours, ``torch`` on a GPU is refused naming the setting."""
+    """``VLLM_K3_MLA``: ``auto`` leaves the backend to vLLM, ``triton`` is ours,
+    ``torch`` on a GPU is refused naming the setting."""
     from vllm.platforms import current_platform
 
     from vllm_k3_plugin.envs import KERNELS_ENV, MLA_ENV, mla

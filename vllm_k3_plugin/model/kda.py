@@ -8,7 +8,7 @@ whether that state is already initialized (a continued prefill or a decode) or n
 new request). This layer reads and writes those slots. Prefill chunks run one
 sequence at a time, in windows of bounded memory: the reference conv and gate in
 PyTorch, and the delta rule in its chunked form (``reference.kda_chunk``).
-With ``VLLM_K3_KERNELS=triton`` the chunk terms run
+With ``VLLM_K3_KDA=triton`` the chunk terms run
 ``k3_triton_kernels.kda.chunk_terms``, the chunks' state pass
 ``k3_triton_kernels.kda.chunk_state``, and the batch's decode tokens (one new token of
 an initialized sequence) ``k3_triton_kernels.kda.decode`` in one launch; else all
@@ -58,8 +58,7 @@ from k3_triton_kernels.kda.decode import kda_decode
 from k3_triton_kernels.kda.naive import delta_rule_inputs
 from k3_triton_kernels.kda.windows import kda_windows
 from k3_triton_kernels.runtime import CHUNKED_KDA_MAX_CHUNK, log_path
-from vllm_k3_plugin.envs import KERNELS_ENV
-from vllm_k3_plugin.model.kernel_choice import use_triton_kernels
+from vllm_k3_plugin.model.kernel_choice import kda_backend, kda_setting
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import gate_lower_bound
 from vllm_k3_plugin.reference.kda_chunk import (
@@ -199,11 +198,11 @@ class KdaAttention(nn.Module, MambaBase):
         self.num_spec = vllm_config.num_speculative_tokens
         # The decode kernel reads a conv state of ``kernel - 1`` inputs; with draft
         # tokens it is wider, and every decode is a speculative row (``_windows``).
-        self.use_kernels = use_triton_kernels()
+        self.use_kernels = kda_backend() == "triton"
         if self.use_kernels and self.num_spec:
             log_path("KDA speculative verification", "PyTorch only")
         if not self.use_kernels:
-            setting = f"{KERNELS_ENV}=pytorch"
+            setting = kda_setting()
             log_path("KDA prefill chunk terms", setting)
             log_path("KDA prefill state pass", setting)
             log_path("KDA decode", setting)

@@ -1,15 +1,29 @@
-"""Which kernels this process's model class runs (``VLLM_K3_KERNELS``,
-``VLLM_K3_MOE``, ``VLLM_K3_MLA``)."""
+"""Which kernels this process's model class runs, block by block (``VLLM_K3_MOE``,
+``VLLM_K3_MLA``, ``VLLM_K3_KDA``; ``VLLM_K3_KERNELS`` for all three)."""
 
 from __future__ import annotations
 
 from vllm.platforms import current_platform
 
-from vllm_k3_plugin.envs import MLA_ENV, MOE_ENV, kernels, mla, moe, setting_source
+from vllm_k3_plugin.envs import (
+    KDA_ENV,
+    MLA_ENV,
+    MOE_ENV,
+    kda,
+    mla,
+    moe,
+    setting_source,
+)
 
 
-def use_triton_kernels() -> bool:
-    return kernels(on_gpu=current_platform.is_cuda_alike()) == "triton"
+def kda_backend() -> str:
+    """``triton`` or ``torch`` (``envs.kda``)."""
+    return kda(on_gpu=current_platform.is_cuda_alike())
+
+
+def kda_setting() -> str:
+    """The setting that chose the KDA backend, as a log line names it."""
+    return setting_source(KDA_ENV, kda_backend(), current_platform.is_cuda_alike())
 
 
 def moe_backend() -> str:
