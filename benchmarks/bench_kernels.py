@@ -298,13 +298,25 @@ def bench_kda(device, smoke, warmup, repeats):
                 "baseline": "our PyTorch reference (eager)",
             }
         )
+        vllm_s, note = _vllm_kda_decode(args, warmup, repeats, cuda)
+        yield (
+            {
+                "kernel": "kda_decode[vs vLLM]",
+                "shape": f"B={batch} H={heads} K=V={dim}",
+                "s": seconds,
+                "bytes": 2 * state,
+                "flops": batch * heads * 4 * 2 * dim * dim,
+                "vllm_s": vllm_s,
+                "vllm_note": note,
+                "baseline": "vLLM's K3 fused_recurrent_kda (without its conv step)",
+            }
+        )
 
 
-CHUNK_KDA_MODULES = (
-    "vllm.models.kimi_k3.nvidia.ops.third_party.kda.chunk",
-    "vllm.models.kimi_k3.amd.ops.third_party.kda.chunk",
-    "vllm.third_party.flash_linear_attention.ops.kda",
-    "vllm.model_executor.layers.fla.ops.kda",
+# vLLM's in-tree K3 KDA ops (0.32 and 0.33), one copy per vendor.
+K3_KDA_PACKAGES = (
+    "vllm.models.kimi_k3.nvidia.ops.third_party.kda",
+    "vllm.models.kimi_k3.amd.ops.third_party.kda",
 )
 
 
@@ -314,19 +326,9 @@ def _vllm_chunk_kda(q, k, v, g, beta, state, warmup, repeats, cuda):
     if not cuda:
         return None, "vLLM's Triton kernels need a GPU"
     try:
-        import importlib
-
         import torch
 
-        chunk_kda = None
-        for name in CHUNK_KDA_MODULES:
-            try:
-                chunk_kda = importlib.import_module(name).chunk_kda
-                break
-            except (ImportError, AttributeError):
-                continue
-        if chunk_kda is None:
-            return None, "vLLM's chunk_kda not found in this vLLM"
+        chunk_kda, source = _vllm_kda_op("chunk_kda")
         tokens = q.shape[0]
         q2, k2, v2 = (x[None].to(torch.bfloat16).contiguous() for x in (q, k, v))
         g2, beta2 = g[None].float().contiguous(), beta[None].float().contiguous()
@@ -339,7 +341,59 @@ def _vllm_chunk_kda(q, k, v, g, beta, state, warmup, repeats, cuda):
                 output_final_state=True, cu_seqlens=cu_seqlens,
             )  # fmt: skip
 
-        return timed(run, warmup=warmup, repeats=repeats, cuda=True), ""
+        return timed(run, warmup=warmup, repeats=repeats, cuda=True), source
+    except Exception as error:  # a baseline that does not run is reported
+        return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
+
+
+def _vllm_kda_op(name: str):
+    """``(op, where it came from)``: vLLM's in-tree K3 KDA op ``name`` from the
+    installed vLLM (the platform's copy first), else loaded from vLLM's source
+    (``vllm_baselines.k3_kda_ops``)."""
+    import importlib
+
+    import torch
+
+    packages = K3_KDA_PACKAGES[::-1] if torch.version.hip else K3_KDA_PACKAGES
+    for package in packages:
+        try:
+            return getattr(importlib.import_module(package), name), package
+        except (ImportError, AttributeError):
+            continue
+    from vllm_baselines import k3_kda_ops
+
+    ops = k3_kda_ops()
+    return getattr(ops, name), f"from source: {ops.source}"
+
+
+def _vllm_kda_decode(args, warmup, repeats, cuda):
+    """vLLM's in-tree K3 decode step, ``fused_recurrent_kda`` (gate, beta sigmoid
+    and q/k L2 norm in the kernel; its state ``[V, K]``), on the same batch: one
+    token a sequence, each in its own state slot. It takes the convolved q/k/v:
+    vLLM runs ``causal_conv1d_update`` before it, which this time leaves out."""
+    if not cuda:
+        return None, "vLLM's Triton kernels need a GPU"
+    try:
+        import torch
+
+        op, source = _vllm_kda_op("fused_recurrent_kda")
+        batch, heads, dim = args["recurrent_state"].shape[:3]
+        qkv = args["qkv"].view(1, batch, 3, heads, dim)
+        q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
+        raw_g = args["decay"].view(1, batch, heads, dim)
+        raw_beta = torch.logit(args["beta"]).view(1, batch, heads).to(q.dtype)
+        state = args["recurrent_state"].clone()
+        cu_seqlens = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
+        slots = args["slots"].to(torch.int32)
+
+        def run():
+            op(
+                q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta, A_log=args["a_log"],
+                dt_bias=args["dt_bias"], lower_bound=-5.0, initial_state=state,
+                cu_seqlens=cu_seqlens, ssm_state_indices=slots,
+            )  # fmt: skip
+
+        return timed(run, warmup=warmup, repeats=repeats, cuda=True), source
     except Exception as error:  # a baseline that does not run is reported
         return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
 

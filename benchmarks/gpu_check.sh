@@ -7,6 +7,7 @@
 #   benchmarks/gpu_check.sh           # there, carrying .vllm_src; writes to $OUT
 #   benchmarks/gpu_check.sh sweep     # there: the MLA and MoE sweeps
 #   benchmarks/gpu_check.sh graphs    # there: decode steps in CUDA graphs vs eager
+#   benchmarks/gpu_check.sh kda       # there: vLLM's K3 KDA ops vs our reference
 #
 # `prepare` copies the vLLM files benchmarks/vllm_baselines.py reads (vLLM's own
 # Triton kernels, run without importing vLLM) from this checkout's .venv into
@@ -22,12 +23,18 @@ if [[ "${1:-}" == "prepare" ]]; then
         "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])")
     files=$(PYTHONPATH=benchmarks .venv/bin/python -c \
         "from vllm_baselines import SOURCE_FILES; print(' '.join(SOURCE_FILES))")
+    folders=$(PYTHONPATH=benchmarks .venv/bin/python -c \
+        "from vllm_baselines import SOURCE_FOLDERS; print(' '.join(SOURCE_FOLDERS))")
     rm -rf .vllm_src
     for f in $files; do
         mkdir -p ".vllm_src/$(dirname "$f")"
         cp "$src/$f" ".vllm_src/$f"
     done
-    echo "copied into .vllm_src: $files"
+    for d in $folders; do
+        mkdir -p ".vllm_src/$d"
+        cp "$src/$d"/*.py ".vllm_src/$d/"
+    done
+    echo "copied into .vllm_src: $files $folders"
     exit 0
 fi
 
@@ -46,6 +53,14 @@ if [[ "${1:-}" == "graphs" ]]; then
     # (benchmarks/graph_check.py; vLLM's breakable capture read from .vllm_src).
     timeout "${GRAPH_SECONDS:-420}" "$PY" benchmarks/graph_check.py --out "$OUT" 2>&1 \
         | tee "$OUT/graph_check.txt"
+    exit "${PIPESTATUS[0]}"
+fi
+
+if [[ "${1:-}" == "kda" ]]; then
+    # What vLLM's in-tree K3 KDA ops compute and in which state layout
+    # (benchmarks/kda_ops_check.py; the ops read from .vllm_src).
+    timeout "${KDA_SECONDS:-300}" "$PY" benchmarks/kda_ops_check.py --out "$OUT" 2>&1 \
+        | tee "$OUT/kda_ops_check.txt"
     exit "${PIPESTATUS[0]}"
 fi
 

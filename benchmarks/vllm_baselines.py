@@ -35,6 +35,13 @@ FUSED_MOE = "model_executor/layers/fused_moe/fused_moe.py"
 FUSED_MOE_UTILS = "model_executor/layers/fused_moe/utils.py"
 TRITON_MLA = "v1/attention/backends/mla/triton_mla.py"
 BREAKABLE_CUDAGRAPH = "compilation/breakable_cudagraph.py"
+# vLLM's KDA ops (0.32 and 0.33): flash-linear-attention's port, and the in-tree
+# K3's own chunk and recurrent kernels built on it, one copy per vendor.
+FLA_OPS = "third_party/flash_linear_attention/ops"
+K3_KDA_OPS = {
+    "nvidia": "models/kimi_k3/nvidia/ops/third_party/kda",
+    "amd": "models/kimi_k3/amd/ops/third_party/kda",
+}
 SOURCE_FILES = (
     DECODE_ATTENTION,
     FUSED_MOE,
@@ -42,6 +49,7 @@ SOURCE_FILES = (
     TRITON_MLA,
     BREAKABLE_CUDAGRAPH,
 )
+SOURCE_FOLDERS = (FLA_OPS, *K3_KDA_OPS.values())
 
 
 class BaselineUnavailable(RuntimeError):
@@ -68,6 +76,19 @@ class _Platform:
 
     def is_cuda(self) -> bool:
         return torch.cuda.is_available() and torch.version.hip is None
+
+    def is_cuda_alike(self) -> bool:
+        return torch.cuda.is_available()
+
+    def has_device_capability(self, capability: int) -> bool:
+        if not torch.cuda.is_available():
+            return False
+        major, minor = torch.cuda.get_device_capability()
+        return major * 10 + minor >= capability
+
+    def is_arch_support_pdl(self) -> bool:
+        # Programmatic dependent launch is an optional overlap; off is always valid.
+        return False
 
     def is_device_capability(self, capability) -> bool:
         if not torch.cuda.is_available():
@@ -369,3 +390,79 @@ def breakable_capture():
     return namespace["BreakableCUDAGraphCapture"], namespace[
         "eager_break_during_capture"
     ]
+
+
+@cache
+def k3_kda_ops():
+    """vLLM's in-tree K3 KDA ops package (``chunk_kda``,
+    ``chunk_kda_with_fused_gate``, ``fused_recurrent_kda``; the ``amd`` copy on
+    ROCm, else ``nvidia``), loaded from source with the flash-linear-attention
+    modules it imports, under their own ``vllm.*`` names, the few other vLLM names
+    they read stood in for (``vllm.triton_utils``, ``vllm.platforms``,
+    ``vllm.utils.*``). Only where the real ``vllm`` is not importable: the stand-in
+    modules stay installed for the kernels' lazy imports."""
+    import contextlib
+    import logging
+    import math
+
+    import triton
+    import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+
+    if importlib.util.find_spec("vllm") is not None and "VLLM_SRC" not in os.environ:
+        raise BaselineUnavailable("a vLLM is installed: import its ops instead")
+    root = vllm_source_root()
+    flavor = "amd" if torch.version.hip is not None else "nvidia"
+    folders = {"vllm.third_party.flash_linear_attention.ops": root / FLA_OPS}
+    kda = f"vllm.models.kimi_k3.{flavor}.ops.third_party.kda"
+    folders[kda] = root / K3_KDA_OPS[flavor]
+    for folder in folders.values():
+        if not folder.is_dir():
+            raise BaselineUnavailable(f"{folder} not found")
+
+    def module(name: str, **attrs) -> types.ModuleType:
+        made = types.ModuleType(name)
+        made.__dict__.update(attrs)
+        return made
+
+    stand_ins = [
+        module("vllm.triton_utils", triton=triton, tl=tl, tldevice=tldevice),
+        module("vllm.platforms", current_platform=_Platform()),
+        module(
+            "vllm.utils.math_utils",
+            cdiv=lambda a, b: -(a // -b),
+            next_power_of_2=_next_power_of_2,
+            RCP_LN2=1 / math.log(2),
+        ),
+        module(
+            "vllm.utils.gpu_sync_debug",
+            gpu_sync_allowed=lambda *a, **k: contextlib.nullcontext(),
+        ),
+        module(
+            "vllm.utils.torch_utils",
+            async_tensor_h2d=lambda data, dtype, device, pin_memory=False: torch.tensor(
+                data, dtype=dtype, device=device
+            ),
+        ),
+        module("vllm.logger", init_logger=logging.getLogger),
+    ]
+    for made in stand_ins:
+        sys.modules.setdefault(made.__name__, made)
+    # The packages above the source folders, empty: their real __init__ files
+    # import the engine.
+    for name, folder in folders.items():
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            parent = ".".join(parts[:depth])
+            sys.modules.setdefault(parent, module(parent, __path__=[]))
+        package = module(name, __path__=[str(folder)])
+        package.__file__ = str(folder / "__init__.py")
+        sys.modules[name] = package
+    ops = importlib.import_module(f"{kda}.chunk")
+    recurrent = importlib.import_module(f"{kda}.fused_recurrent")
+    return types.SimpleNamespace(
+        source=f"{flavor} copy at {folders[kda]}",
+        chunk_kda=ops.chunk_kda,
+        chunk_kda_with_fused_gate=ops.chunk_kda_with_fused_gate,
+        fused_recurrent_kda=recurrent.fused_recurrent_kda,
+    )

@@ -6,6 +6,7 @@ configuration and baseline must run and be reported, none ``failed``."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -39,12 +40,63 @@ def test_gpu_benchmark_script_runs_its_smoke_shapes(tmp_path):
     assert out.count("| mla_decode |") == 1
     assert out.count("| latent_moe[mxfp4] |") == 1
     assert out.count("| kda_decode |") == 1
+    assert out.count("| kda_decode[vs vLLM] |") == 1
     assert out.count("| kda_prefill[") == 2
     assert out.count("| kda_chunk_terms |") == 1
     assert out.count("| attn_res_mix (PyTorch) |") == 1
     rows = {row["kernel"]: row for row in json.loads(report.read_text())["rows"]}
     assert rows["mla_decode"]["vllm_gap"] <= 1e-4
     assert rows["latent_moe[mxfp4]"]["vllm_gap"] <= 2**-4
+
+
+def test_vllms_k3_kda_ops_load_from_source_without_vllm():
+    """``vllm_baselines.k3_kda_ops``: the in-tree K3's KDA ops and the
+    flash-linear-attention modules they import, loaded from vLLM's source files
+    (here the installed package's folder, as ``VLLM_SRC``) with the engine never
+    imported, as on the GPU machine (which has no vLLM). Their kernels need a GPU:
+    the interpreter cannot run flash-linear-attention's (docs/model_class.md)."""
+    import importlib.util
+
+    source = importlib.util.find_spec("vllm").submodule_search_locations[0]
+    check = (
+        "import sys; from vllm_baselines import k3_kda_ops; ops = k3_kda_ops(); "
+        "assert not hasattr(sys.modules['vllm'], '__file__'), 'the engine loaded'; "
+        "print(ops.source, ops.chunk_kda.__module__, "
+        "ops.chunk_kda_with_fused_gate.__name__, ops.fused_recurrent_kda.__module__)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", check],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCHMARKS,
+        env={**os.environ, "VLLM_SRC": source, "PYTHONPATH": str(BENCHMARKS)},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [
+        "nvidia",
+        "copy",
+        "at",
+        f"{source}/models/kimi_k3/nvidia/ops/third_party/kda",
+        "vllm.models.kimi_k3.nvidia.ops.third_party.kda.chunk",
+        "chunk_kda_with_fused_gate",
+        "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent",
+    ]
+
+
+def test_kda_ops_check_runs_on_its_stand_ins(tmp_path):
+    """``kda_ops_check.py``: both jobs against the references, on PyTorch
+    stand-ins of vLLM's ops that keep states ``[V, K]``; the verdict names that
+    layout (a layout check that cannot tell the two apart would say nothing)."""
+    out = run_smoke("kda_ops_check.py", "--out", str(tmp_path))
+    assert "stand-ins in PyTorch" in out
+    for job in ("prefill", "windows"):
+        assert re.search(
+            rf"^{job}: ok, output gap 0\.0e\+00; states as \[V, K\] 0\.0e\+00, "
+            r"\[K, V\] [1-9]\.\de\+00: vLLM's layout is \[V, K\]$",
+            out,
+            re.MULTILINE,
+        ), out
 
 
 def test_mla_sweep_runs_its_smoke_shape():

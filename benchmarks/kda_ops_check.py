@@ -1,0 +1,277 @@
+"""What vLLM's in-tree K3 KDA ops compute, against the project's KDA reference, on a
+GPU: the question to answer before ``VLLM_K3_KDA=auto`` can run the class's KDA
+layers on them.
+
+    python benchmarks/kda_ops_check.py [--out DIR]   # on the GPU, one TP8 rank
+    python benchmarks/kda_ops_check.py --smoke       # on the CPU: the plumbing only
+
+The ops are vLLM's (``vllm/models/kimi_k3/{nvidia,amd}/ops/third_party/kda``), from
+an installed vLLM or loaded from its source files (``vllm_baselines.k3_kda_ops``:
+none can be installed on the lent GPU machine). Two jobs, on K3's gate (lower bound
+-5), q and k L2-normalized in the kernels, from raw gate and beta projections as
+the in-tree layer hands them over:
+
+- ``prefill``: ``chunk_kda_with_fused_gate`` over three sequences in one varlen
+  batch (one new, two carrying a state), against ``kda_recurrence`` token by token.
+- ``windows``: ``fused_recurrent_kda`` over speculative rows (vLLM's layout: a
+  slot per window position, the state after window token ``t`` into slot
+  ``s_t``, starting from ``s_{a-1}`` of ``a`` accepted tokens), against the same
+  recurrence.
+
+For each it reports the largest gap of the outputs and of the states written, with
+vLLM's states read as ``[V, K]`` per head and as ``[K, V]`` (ours): the layout that
+matches is the one the layer must keep. ``--smoke`` runs the references and the
+plumbing on tiny shapes with PyTorch stand-ins of vLLM's ops (states ``[V, K]``) in
+their place: vLLM's kernels need a GPU (the Triton interpreter cannot run
+flash-linear-attention's), and the report says they did not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LOWER_BOUND = -5.0
+TOLERANCE = 2e-2  # bf16 q/k/v in, fp32 state: vLLM's kernels keep bf16 products
+
+
+def cases(smoke: bool) -> dict:
+    if smoke:
+        return {"heads": 2, "dim": 16, "lengths": [1, 5, 20], "drafts": 2}
+    # One rank of 96 heads at TP8; a prompt crossing several 64-token chunks.
+    return {"heads": 12, "dim": 128, "lengths": [1, 70, 300], "drafts": 3}
+
+
+def inputs(tokens: int, heads: int, dim: int, device, generator):
+    import torch
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device)
+
+    return {
+        "q": randn(tokens, heads, dim).to(torch.bfloat16),
+        "k": randn(tokens, heads, dim).to(torch.bfloat16),
+        "v": randn(tokens, heads, dim).to(torch.bfloat16),
+        "raw_g": randn(tokens, heads, dim).to(torch.bfloat16),
+        "raw_beta": randn(tokens, heads).to(torch.bfloat16),
+        "a_log": randn(heads) * 0.5,
+        "dt_bias": randn(heads * dim) * 0.5,
+    }
+
+
+def reference(x: dict, span: slice, state):
+    """Our recurrence over tokens ``span`` from ``state`` ``[H, K, V]`` (or new)."""
+    import torch
+
+    from k3_triton_kernels.kda.naive import kda_gate, kda_recurrence, l2_normalize
+
+    heads, dim = x["a_log"].shape[0], x["q"].shape[-1]
+    q = l2_normalize(x["q"][span].float()) / dim**0.5
+    k = l2_normalize(x["k"][span].float())
+    bias = x["dt_bias"].view(heads, dim)
+    g = kda_gate(x["raw_g"][span].float() + bias, x["a_log"], LOWER_BOUND)
+    beta = torch.sigmoid(x["raw_beta"][span].float())
+    return kda_recurrence(q, k, x["v"][span].float(), g, beta, state)
+
+
+def _gap(got, want) -> float:
+    scale = want.abs().max().clamp(min=1e-6)
+    return float((got.float() - want.float()).abs().max() / scale)
+
+
+def _layouts(got_states, want_states) -> dict:
+    """Largest gaps of vLLM's states against ours read both ways."""
+    pairs = list(zip(got_states, want_states, strict=True))
+    return {
+        "[V, K]": max(_gap(got.transpose(-1, -2), want) for got, want in pairs),
+        "[K, V]": max(_gap(got, want) for got, want in pairs),
+    }
+
+
+class StandInOps:
+    """vLLM's two ops as this script calls them, in PyTorch over ``reference``, with
+    their states ``[V, K]``: what ``--smoke`` runs in their place, so that every
+    call, gap and layout verdict of the script runs on the CPU."""
+
+    @staticmethod
+    def _x(q, k, v, raw_g, raw_beta, A_log, bias) -> dict:
+        return {"q": q[0], "k": k[0], "v": v[0], "raw_g": raw_g[0],
+                "raw_beta": raw_beta[0], "a_log": A_log, "dt_bias": bias}  # fmt: skip
+
+    def chunk_kda_with_fused_gate(self, *, q, k, v, raw_g, raw_beta, A_log, g_bias,
+                                  initial_state, cu_seqlens, **_):  # fmt: skip
+        import torch
+
+        x = self._x(q, k, v, raw_g, raw_beta, A_log, g_bias)
+        bounds = cu_seqlens.tolist()
+        outputs, finals = [], []
+        for index in range(len(bounds) - 1):
+            start = initial_state[index].transpose(-1, -2)
+            o, s = reference(x, slice(bounds[index], bounds[index + 1]), start)
+            outputs.append(o)
+            finals.append(s.transpose(-1, -2))
+        return torch.cat(outputs)[None], torch.stack(finals)
+
+    def fused_recurrent_kda(self, *, q, k, v, raw_g, raw_beta, A_log, dt_bias,
+                            initial_state, cu_seqlens, ssm_state_indices,
+                            num_accepted_tokens, **_):  # fmt: skip
+        import torch
+
+        x = self._x(q, k, v, raw_g, raw_beta, A_log, dt_bias)
+        bounds = cu_seqlens.tolist()
+        outputs = []
+        for row in range(len(bounds) - 1):
+            slots = ssm_state_indices[row].tolist()
+            state = initial_state[slots[int(num_accepted_tokens[row]) - 1]]
+            state = state.transpose(-1, -2)
+            for t, token in enumerate(range(bounds[row], bounds[row + 1])):
+                o, state = reference(x, slice(token, token + 1), state)
+                initial_state[slots[t]] = state.transpose(-1, -2)
+                outputs.append(o)
+        return torch.cat(outputs)[None], initial_state
+
+
+def check_prefill(ops, shape: dict, device) -> dict:
+    import torch
+
+    heads, dim, lengths = shape["heads"], shape["dim"], shape["lengths"]
+    generator = torch.Generator().manual_seed(0)
+    x = inputs(sum(lengths), heads, dim, device, generator)
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    ours = [None] + [
+        torch.randn(heads, dim, dim, generator=generator).to(device) / dim**0.5
+        for _ in lengths[1:]
+    ]
+    outputs, states = [], []
+    for index, state in enumerate(ours):
+        o, s = reference(x, slice(starts[index], starts[index + 1]), state)
+        outputs.append(o)
+        states.append(s)
+    row = {"job": "prefill", "lengths": lengths, "heads": heads, "dim": dim}
+    if ops is None:
+        return row
+    initial = torch.stack(
+        [torch.zeros(heads, dim, dim, device=device) if s is None else s for s in ours]
+    )
+    # vLLM's layer hands over its cache's states; offered as [V, K] (the model
+    # documentation's layout) — the other reading is reported too.
+    o, final = ops.chunk_kda_with_fused_gate(
+        q=x["q"][None], k=x["k"][None], v=x["v"][None], raw_g=x["raw_g"][None],
+        raw_beta=x["raw_beta"][None], A_log=x["a_log"], g_bias=x["dt_bias"],
+        lower_bound=LOWER_BOUND, initial_state=initial.transpose(-1, -2).contiguous(),
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=device),
+    )  # fmt: skip
+    row["output_gap"] = _gap(o[0], torch.cat(outputs))
+    row["state_gaps"] = _layouts(list(final), states)
+    return row
+
+
+def check_windows(ops, shape: dict, device) -> dict:
+    """Rows of ``drafts + 1`` tokens, accepted counts 1 .. drafts + 1 last step."""
+    import torch
+
+    heads, dim, drafts = shape["heads"], shape["dim"], shape["drafts"]
+    width = drafts + 1
+    rows = width
+    generator = torch.Generator().manual_seed(1)
+    x = inputs(rows * width, heads, dim, device, generator)
+    slots = torch.arange(1, 1 + rows * width, device=device).view(rows, width)
+    cache = torch.randn(1 + rows * width, heads, dim, dim, generator=generator)
+    cache = (cache / dim**0.5).to(device)  # ours, [K, V]
+    accepted = torch.arange(1, rows + 1, device=device)
+    outputs, states = [], []
+    for r in range(rows):
+        start = cache[slots[r, accepted[r] - 1]]
+        span = slice(r * width, (r + 1) * width)
+        q_row = {key: value for key, value in x.items()}
+        o, _ = reference(q_row, span, start)
+        outputs.append(o)
+        s = start
+        for t in range(width):
+            _, s = reference(q_row, slice(r * width + t, r * width + t + 1), s)
+            states.append(s)
+    row = {"job": "windows", "rows": rows, "width": width, "heads": heads, "dim": dim}
+    if ops is None:
+        return row
+    theirs = cache.transpose(-1, -2).contiguous()
+    o, _ = ops.fused_recurrent_kda(
+        q=x["q"][None], k=x["k"][None], v=x["v"][None], raw_g=x["raw_g"][None],
+        raw_beta=x["raw_beta"][None], A_log=x["a_log"], dt_bias=x["dt_bias"],
+        lower_bound=LOWER_BOUND, initial_state=theirs,
+        cu_seqlens=torch.arange(0, rows * width + 1, width, dtype=torch.int32,
+                                device=device),
+        ssm_state_indices=slots.to(torch.int32),
+        num_accepted_tokens=accepted.to(torch.int32),
+    )  # fmt: skip
+    row["output_gap"] = _gap(o[0], torch.cat(outputs))
+    row["state_gaps"] = _layouts(list(theirs[slots.reshape(-1)]), states)
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/k3-kda-ops"))
+    args = parser.parse_args(argv)
+    import torch
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    ops, failed = StandInOps(), False
+    note = "stand-ins in PyTorch (vLLM's KDA kernels need a GPU): not vLLM's"
+    if device.type == "cuda":
+        from bench_kernels import _vllm_kda_op
+
+        ops = None
+        try:
+            chunk, note = _vllm_kda_op("chunk_kda_with_fused_gate")
+            recurrent, _ = _vllm_kda_op("fused_recurrent_kda")
+            ops = SimpleNamespace(
+                chunk_kda_with_fused_gate=chunk, fused_recurrent_kda=recurrent
+            )
+        except Exception as error:  # no baseline: say so, check the references
+            note, failed = f"not loaded: {type(error).__name__}: {error}"[:300], True
+    print(f"vLLM's ops: {note}", flush=True)
+    shape = cases(args.smoke)
+    rows = []
+    with torch.no_grad():
+        for check in (check_prefill, check_windows):
+            try:
+                row = check(ops, shape, device)
+            except Exception as error:  # report it and go on
+                row = {"job": check.__name__, "error": f"{type(error).__name__}: "
+                       f"{error}"[:300]}  # fmt: skip
+                failed = True
+            rows.append(row)
+            print(_line(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"ops": note, "tolerance": TOLERANCE, "rows": rows}
+    (out / "kda_ops_check.json").write_text(json.dumps(report, indent=1))
+    return 1 if failed else 0
+
+
+def _line(row: dict) -> str:
+    if "error" in row:
+        return f"{row['job']}: failed: {row['error']}"
+    if "output_gap" not in row:
+        return f"{row['job']}: references built; vLLM's ops not run"
+    layout = min(row["state_gaps"], key=row["state_gaps"].get)
+    verdict = "ok" if row["output_gap"] <= TOLERANCE else "outputs differ"
+    gaps = ", ".join(f"{k} {v:.1e}" for k, v in row["state_gaps"].items())
+    return (
+        f"{row['job']}: {verdict}, output gap {row['output_gap']:.1e}; "
+        f"states as {gaps}: vLLM's layout is {layout}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
