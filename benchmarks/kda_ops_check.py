@@ -21,9 +21,10 @@ the in-tree layer hands them over:
 For each it reports the largest gap of the outputs and of the states written, with
 vLLM's states read as ``[V, K]`` per head and as ``[K, V]`` (ours): the layout that
 matches is the one the layer must keep. ``--smoke`` runs the references and the
-plumbing on tiny shapes with PyTorch stand-ins of vLLM's ops (states ``[V, K]``) in
-their place: vLLM's kernels need a GPU (the Triton interpreter cannot run
-flash-linear-attention's), and the report says they did not run.
+plumbing on tiny shapes with ``k3_triton_kernels.kda.vllm_ops_naive`` (the ops'
+contract in PyTorch, states ``[V, K]``, outputs in q's bf16) in their place: vLLM's
+kernels need a GPU (the Triton interpreter cannot run flash-linear-attention's), and
+the report says they did not run.
 """
 
 from __future__ import annotations
@@ -92,49 +93,6 @@ def _layouts(got_states, want_states) -> dict:
         "[V, K]": max(_gap(got.transpose(-1, -2), want) for got, want in pairs),
         "[K, V]": max(_gap(got, want) for got, want in pairs),
     }
-
-
-class StandInOps:
-    """vLLM's two ops as this script calls them, in PyTorch over ``reference``, with
-    their states ``[V, K]``: what ``--smoke`` runs in their place, so that every
-    call, gap and layout verdict of the script runs on the CPU."""
-
-    @staticmethod
-    def _x(q, k, v, raw_g, raw_beta, A_log, bias) -> dict:
-        return {"q": q[0], "k": k[0], "v": v[0], "raw_g": raw_g[0],
-                "raw_beta": raw_beta[0], "a_log": A_log, "dt_bias": bias}  # fmt: skip
-
-    def chunk_kda_with_fused_gate(self, *, q, k, v, raw_g, raw_beta, A_log, g_bias,
-                                  initial_state, cu_seqlens, **_):  # fmt: skip
-        import torch
-
-        x = self._x(q, k, v, raw_g, raw_beta, A_log, g_bias)
-        bounds = cu_seqlens.tolist()
-        outputs, finals = [], []
-        for index in range(len(bounds) - 1):
-            start = initial_state[index].transpose(-1, -2)
-            o, s = reference(x, slice(bounds[index], bounds[index + 1]), start)
-            outputs.append(o)
-            finals.append(s.transpose(-1, -2))
-        return torch.cat(outputs)[None], torch.stack(finals)
-
-    def fused_recurrent_kda(self, *, q, k, v, raw_g, raw_beta, A_log, dt_bias,
-                            initial_state, cu_seqlens, ssm_state_indices,
-                            num_accepted_tokens, **_):  # fmt: skip
-        import torch
-
-        x = self._x(q, k, v, raw_g, raw_beta, A_log, dt_bias)
-        bounds = cu_seqlens.tolist()
-        outputs = []
-        for row in range(len(bounds) - 1):
-            slots = ssm_state_indices[row].tolist()
-            state = initial_state[slots[int(num_accepted_tokens[row]) - 1]]
-            state = state.transpose(-1, -2)
-            for t, token in enumerate(range(bounds[row], bounds[row + 1])):
-                o, state = reference(x, slice(token, token + 1), state)
-                initial_state[slots[t]] = state.transpose(-1, -2)
-                outputs.append(o)
-        return torch.cat(outputs)[None], initial_state
 
 
 def check_prefill(ops, shape: dict, device) -> dict:
@@ -225,7 +183,9 @@ def main(argv=None) -> int:
     import torch
 
     device = torch.device("cpu" if args.smoke else "cuda")
-    ops, failed = StandInOps(), False
+    from k3_triton_kernels.kda import vllm_ops_naive
+
+    ops, failed = vllm_ops_naive, False
     note = "stand-ins in PyTorch (vLLM's KDA kernels need a GPU): not vLLM's"
     if device.type == "cuda":
         from bench_kernels import _vllm_kda_op

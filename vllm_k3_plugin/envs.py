@@ -100,15 +100,17 @@ def mla(on_gpu: bool, on_cpu: bool) -> str:
 
 
 KDA_ENV = "VLLM_K3_KDA"
-KDA_CHOICES = ("triton", "torch")
+KDA_CHOICES = ("auto", "triton", "torch")
 
 
 def kda(on_gpu: bool) -> str:
-    """``VLLM_K3_KDA``: the KDA layers' delta rule on ``triton``
-    (``k3_triton_kernels.kda``: chunk terms and state pass for prefills, the fused
-    decode step) or ``torch`` (their PyTorch paths). Unset, it follows
-    ``VLLM_K3_KERNELS`` (``triton`` on GPUs, ``torch`` on the CPU). No ``auto``
-    yet: vLLM's KDA ops are not wired into this class (docs/model_class.md)."""
+    """``VLLM_K3_KDA``: the KDA layers' delta rule on ``auto`` (vLLM's in-tree K3
+    KDA ops, GPUs only; the project's kernels where the installed vLLM has none),
+    ``triton`` (``k3_triton_kernels.kda``: chunk terms and state pass for
+    prefills, the fused decode step) or ``torch`` (their PyTorch paths). Unset, it
+    follows ``VLLM_K3_KERNELS`` (``triton`` on GPUs, ``torch`` on the CPU): ``auto``
+    is not the default until a GPU has checked vLLM's ops against ours
+    (``benchmarks/kda_ops_check.py``)."""
     default = "triton" if kernels(on_gpu) == "triton" else "torch"
     return _choice(KDA_ENV, default, KDA_CHOICES, "a KDA")
 

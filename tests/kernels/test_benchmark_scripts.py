@@ -85,14 +85,15 @@ def test_vllms_k3_kda_ops_load_from_source_without_vllm():
 
 
 def test_kda_ops_check_runs_on_its_stand_ins(tmp_path):
-    """``kda_ops_check.py``: both jobs against the references, on PyTorch
-    stand-ins of vLLM's ops that keep states ``[V, K]``; the verdict names that
-    layout (a layout check that cannot tell the two apart would say nothing)."""
+    """``kda_ops_check.py``: both jobs against the references, on
+    ``vllm_ops_naive`` in place of vLLM's ops (states ``[V, K]``, outputs in
+    bf16); the verdict names that layout (a layout check that cannot tell the two
+    apart would say nothing)."""
     out = run_smoke("kda_ops_check.py", "--out", str(tmp_path))
     assert "stand-ins in PyTorch" in out
     for job in ("prefill", "windows"):
         assert re.search(
-            rf"^{job}: ok, output gap 0\.0e\+00; states as \[V, K\] 0\.0e\+00, "
+            rf"^{job}: ok, output gap \d\.\de-0[2-9]; states as \[V, K\] 0\.0e\+00, "
             r"\[K, V\] [1-9]\.\de\+00: vLLM's layout is \[V, K\]$",
             out,
             re.MULTILINE,

@@ -98,7 +98,7 @@ def test_each_block_defaults_to_vllms_layer_where_it_has_one(monkeypatch):
     assert setting_source(KDA_ENV, "torch", True) == "VLLM_K3_KDA=torch"
     for env, value, choices, read in (
         (MOE_ENV, "fused", "auto, triton, torch", moe),
-        (KDA_ENV, "auto", "triton, torch", kda),
+        (KDA_ENV, "fla", "auto, triton, torch", kda),
         (KERNELS_ENV, "cuda", "triton, pytorch", kernels),
     ):
         monkeypatch.setenv(env, value)

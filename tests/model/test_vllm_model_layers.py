@@ -44,10 +44,10 @@ def vllm_config(tiny_k3_checkpoint):
 
 
 @contextlib.contextmanager
-def _kernels(kernels: str, moe: str | None = None):
-    """``VLLM_K3_KERNELS`` (and ``VLLM_K3_MOE``, unset if ``None``; ``VLLM_K3_MLA``
-    and ``VLLM_K3_KDA`` unset) for the layers built inside."""
-    settings = {KERNELS_ENV: kernels, MOE_ENV: moe, MLA_ENV: None, KDA_ENV: None}
+def _kernels(kernels: str, moe: str | None = None, kda: str | None = None):
+    """``VLLM_K3_KERNELS`` (and ``VLLM_K3_MOE`` and ``VLLM_K3_KDA``, unset if
+    ``None``; ``VLLM_K3_MLA`` unset) for the layers built inside."""
+    settings = {KERNELS_ENV: kernels, MOE_ENV: moe, MLA_ENV: None, KDA_ENV: kda}
     saved = {name: os.environ.get(name) for name in settings}
     for name, value in settings.items():
         os.environ.pop(name, None)
@@ -68,11 +68,11 @@ def build(vllm_config):
 
     from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
 
-    def make(kernels: str = "pytorch", moe: str | None = None):
-        """``kernels``, ``moe``: the ``VLLM_K3_KERNELS`` and ``VLLM_K3_MOE`` the
-        layers are built under."""
+    def make(kernels: str = "pytorch", moe: str | None = None, kda=None):
+        """``kernels``, ``moe``, ``kda``: the ``VLLM_K3_KERNELS``, ``VLLM_K3_MOE``
+        and ``VLLM_K3_KDA`` the layers are built under."""
         vllm_config.compilation_config.static_forward_context.clear()
-        with set_current_vllm_config(vllm_config), _kernels(kernels, moe):
+        with set_current_vllm_config(vllm_config), _kernels(kernels, moe, kda):
             return KimiK3ForConditionalGeneration(vllm_config=vllm_config)
 
     return make
@@ -83,11 +83,11 @@ def weights(tiny_k3_checkpoint):
     return load_file(str(tiny_k3_checkpoint / "model.safetensors"))
 
 
-def _loaded(build, weights, vllm_config, kernels: str, moe: str | None = None):
+def _loaded(build, weights, vllm_config, kernels: str, moe=None, kda=None):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    model = build(kernels, moe)
+    model = build(kernels, moe, kda)
     model.load_weights(weights.items())
     with set_current_vllm_config(vllm_config):
         process_weights_after_loading(
@@ -457,25 +457,31 @@ def test_kda_state_is_carried_across_chunks_and_steps(model, vllm_config):
 DRAFTS = 3
 
 
-@pytest.fixture(scope="module")
-def spec_layer(tiny_k3_checkpoint, vllm_config, weights):
-    """The first KDA layer of the model built for ``DRAFTS`` n-gram draft tokens
-    (``vllm_config``: the process group it is built in)."""
+def _spec_kda_layer(checkpoint, weights, kda=None):
+    """``(the first KDA layer, its config)`` of the model built for ``DRAFTS``
+    n-gram draft tokens, under ``VLLM_K3_KDA`` = ``kda`` (unset if ``None``)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
 
     config = engine_config(
-        tiny_k3_checkpoint,
+        checkpoint,
         speculative_config={"method": "ngram", "num_speculative_tokens": DRAFTS,
                             "prompt_lookup_max": 3, "prompt_lookup_min": 1},
     )  # fmt: skip
-    with set_current_vllm_config(config):
+    with set_current_vllm_config(config), _kernels("pytorch", kda=kda):
         model = KimiK3ForConditionalGeneration(vllm_config=config)
         model.load_weights(weights.items())
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
     return model.language_model.model.layers[0].self_attn, config
+
+
+@pytest.fixture(scope="module")
+def spec_layer(tiny_k3_checkpoint, vllm_config, weights):
+    """The first KDA layer of the model built for ``DRAFTS`` n-gram draft tokens
+    (``vllm_config``: the process group it is built in)."""
+    return _spec_kda_layer(tiny_k3_checkpoint, weights)
 
 
 def _spec_metadata(rows, tokens_of, slots, accepted, prefills=()):
@@ -655,6 +661,119 @@ def test_a_batch_of_windows_and_a_prefill_gives_what_each_gives_alone(
     assert_close(got[4:10], alone_prefill, atol=1e-6, what="prefill")
     assert_close(got[10:12], alone_b, atol=1e-6, what="window b")
     assert_close(layer._caches()[1][9], state_alone, atol=1e-6, what="prefill state")
+
+
+# -- KDA on vLLM's ops (VLLM_K3_KDA=auto) ----------------------------------------------
+
+
+@contextlib.contextmanager
+def _vllm_kda_ops_stood_in():
+    """``VLLM_K3_KDA=auto`` resolves to ``vllm_ops_naive``: vLLM's KDA ops' contract
+    in PyTorch (its kernels are Triton for CUDA and ROCm; on the CPU the setting is
+    refused). ``benchmarks/kda_ops_check.py`` holds vLLM's kernels to the same
+    contract on a GPU."""
+    from unittest import mock
+
+    from k3_triton_kernels.kda import vllm_ops_naive
+    from vllm_k3_plugin.model import kda as kda_module
+
+    with mock.patch.object(
+        kda_module, "resolve_vllm_kda_ops", lambda prefix: vllm_ops_naive
+    ):
+        yield
+
+
+@pytest.fixture(scope="module")
+def vllm_ops_model(build, weights, vllm_config):
+    with _vllm_kda_ops_stood_in():
+        return _loaded(build, weights, vllm_config, "pytorch", kda="auto")
+
+
+@pytest.fixture(scope="module")
+def vllm_ops_spec_layer(tiny_k3_checkpoint, vllm_config, weights):
+    with _vllm_kda_ops_stood_in():
+        return _spec_kda_layer(tiny_k3_checkpoint, weights, kda="auto")
+
+
+def _states(layer, slots, vllm_layout: bool):
+    """The recurrent states in ``slots``, ``[K, V]`` per head (ours)."""
+    states = layer._caches()[1][slots]
+    return states.transpose(-1, -2) if vllm_layout else states
+
+
+def test_on_vllms_kda_ops_is_refused_on_the_cpu(vllm_config):
+    from vllm_k3_plugin.model.kda import resolve_vllm_kda_ops
+
+    with pytest.raises(
+        ValueError, match=r"layers\.0\.self_attn: VLLM_K3_KDA=auto .*cpu"
+    ):
+        resolve_vllm_kda_ops("layers.0.self_attn")
+
+
+def test_on_vllms_kda_ops_chunks_and_decodes_equal_the_pytorch_path(
+    model, vllm_ops_model, vllm_config
+):
+    """Two sequences in one batch prefilled in chunks (vLLM's
+    ``chunk_kda_with_fused_gate``, one varlen call, an empty row among them), then
+    decoded a token at a time (``fused_recurrent_kda`` over windows of one token):
+    the PyTorch path's outputs and states, the states kept in vLLM's ``[V, K]``."""
+    ours = model.language_model.model.layers[0].self_attn
+    theirs = vllm_ops_model.language_model.model.layers[0].self_attn
+    assert theirs.vllm_ops is not None and not theirs.use_kernels
+    gen = torch.Generator().manual_seed(12)
+    new, old = [False] * 3, [True] * 2
+    steps = [  # (hidden, spans, slots, initialized)
+        (torch.randn(13, 64, generator=gen), [9, 0, 4], [1, 3, 2], new),
+        (torch.randn(7, 64, generator=gen), [5, 2], [1, 2], old),
+        (torch.randn(2, 64, generator=gen), [1, 1], [1, 2], old),
+        (torch.randn(2, 64, generator=gen), [1, 1], [2, 1], old),
+    ]
+    for layer in (ours, theirs):
+        _fresh_cache(layer)
+    for index, (hidden, spans, slots, initialized) in enumerate(steps):
+        want = _kda_step(ours, vllm_config, hidden, spans, slots, initialized)
+        got = _kda_step(theirs, vllm_config, hidden, spans, slots, initialized)
+        assert_close(got, want, atol=1e-5, what=f"step {index}")
+        assert_close(
+            _states(theirs, [1, 2], vllm_layout=True),
+            _states(ours, [1, 2], vllm_layout=False),
+            atol=1e-5,
+            what=f"states after step {index}",
+        )
+
+
+@pytest.mark.parametrize("accepted", [1, DRAFTS + 1])
+def test_on_vllms_kda_ops_windows_and_a_prefill_equal_the_pytorch_path(
+    spec_layer, vllm_ops_spec_layer, accepted
+):
+    """Speculative rows through ``fused_recurrent_kda`` (a slot per window
+    position, the start at the accepted count) beside a prefill in one step, then
+    resumed after ``accepted`` tokens: the PyTorch path's outputs and states."""
+    ours, spec_config = spec_layer
+    theirs, _ = vllm_ops_spec_layer
+    gen = torch.Generator().manual_seed(20 + accepted)
+    prompt = torch.randn(6, 64, generator=gen)
+    step = torch.cat(
+        [torch.randn(4, 64, generator=gen), torch.randn(5, 64, generator=gen)]
+    )
+    following = torch.randn(DRAFTS + 1, 64, generator=gen)
+    slots = [[1, 2, 3, 4]]
+    verify = _spec_metadata(
+        [DRAFTS + 1], lambda i, n: range(n), slots, [1], prefills=[(5, 9, False)]
+    )
+    resume = _spec_metadata([DRAFTS + 1], lambda i, n: range(n), slots, [accepted])
+    outputs = {}
+    for name, layer, vllm_layout in (("ours", ours, False), ("theirs", theirs, True)):
+        _fresh_cache(layer, slots=10)
+        _kda_step(layer, spec_config, prompt, [6], [1], [False])
+        first = _run_kda(layer, spec_config, step, verify)
+        second = _run_kda(layer, spec_config, following, resume)
+        written = [*slots[0], 9]
+        outputs[name] = (first, second, _states(layer, written, vllm_layout))
+    for got, want, what in zip(
+        outputs["theirs"], outputs["ours"], ("verify", "resume", "states")
+    ):
+        assert_close(got, want, atol=1e-5, what=what)
 
 
 def test_the_joined_conv_weight_is_made_once_and_follows_a_reload(model):

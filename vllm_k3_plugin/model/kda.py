@@ -25,6 +25,7 @@ Heads shard over tensor parallelism; every rank keeps the state of its own heads
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 import torch
@@ -50,13 +51,14 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 )
 from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
+from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from k3_triton_kernels.kda.chunk_state import kda_state_pass
 from k3_triton_kernels.kda.chunk_terms import kda_chunk_terms
 from k3_triton_kernels.kda.decode import kda_decode
 from k3_triton_kernels.kda.naive import delta_rule_inputs
-from k3_triton_kernels.kda.windows import kda_windows
+from k3_triton_kernels.kda.windows import kda_windows, place_outputs, window_conv
 from k3_triton_kernels.runtime import CHUNKED_KDA_MAX_CHUNK, log_path
 from vllm_k3_plugin.model.kernel_choice import kda_backend, kda_setting
 from vllm_k3_plugin.reference import reference as ref
@@ -172,6 +174,32 @@ def kda_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]
     )
 
 
+# vLLM's in-tree K3 KDA ops (0.32 and 0.33), one copy per vendor; vLLM also ships
+# flash-linear-attention's port (``vllm/third_party/flash_linear_attention/ops/kda.py``)
+# whose ops take the gate already applied and beta after its sigmoid.
+VLLM_KDA_OPS = {
+    "nvidia": "vllm.models.kimi_k3.nvidia.ops.third_party.kda",
+    "amd": "vllm.models.kimi_k3.amd.ops.third_party.kda",
+}
+
+
+def resolve_vllm_kda_ops(prefix: str):
+    """The installed vLLM's KDA ops for this platform (``VLLM_K3_KDA=auto``), or
+    ``None`` where this vLLM has none (the layer then runs the project's kernels
+    and says so). Refused on the CPU, naming the setting and the platform."""
+    if not current_platform.is_cuda_alike():
+        raise ValueError(
+            f"{prefix}: VLLM_K3_KDA=auto runs vLLM's KDA ops, Triton kernels for "
+            f"CUDA and ROCm, not this platform ({current_platform.device_type}); "
+            "choose torch or triton"
+        )
+    flavor = "amd" if current_platform.is_rocm() else "nvidia"
+    try:
+        return importlib.import_module(VLLM_KDA_OPS[flavor])
+    except ImportError:
+        return None
+
+
 class KdaAttention(nn.Module, MambaBase):
     """``self_attn`` of a KDA layer: checkpoint names ``q_proj k_proj v_proj g_proj
     b_proj f_a_proj f_b_proj q_conv1d k_conv1d v_conv1d A_log dt_bias o_norm
@@ -198,10 +226,16 @@ class KdaAttention(nn.Module, MambaBase):
         self.num_spec = vllm_config.num_speculative_tokens
         # The decode kernel reads a conv state of ``kernel - 1`` inputs; with draft
         # tokens it is wider, and every decode is a speculative row (``_windows``).
-        self.use_kernels = kda_backend() == "triton"
+        backend = kda_backend()
+        # vLLM's ops keep each state [V, K] (value channel first), ours [K, V]:
+        # every step of a layer runs on one of the two.
+        self.vllm_ops = resolve_vllm_kda_ops(prefix) if backend == "auto" else None
+        if backend == "auto" and self.vllm_ops is None:
+            log_path("KDA on vLLM's ops", "none in this vLLM; the project's kernels")
+        self.use_kernels = backend != "torch" and self.vllm_ops is None
         if self.use_kernels and self.num_spec:
             log_path("KDA speculative verification", "PyTorch only")
-        if not self.use_kernels:
+        if backend == "torch":
             setting = kda_setting()
             log_path("KDA prefill chunk terms", setting)
             log_path("KDA prefill state pass", setting)
@@ -289,7 +323,7 @@ class KdaAttention(nn.Module, MambaBase):
         k = self.k_proj(hidden_states)[0]
         v = self.v_proj(hidden_states)[0]
         decay = self.f_b_proj(self.f_a_proj(hidden_states)[0])[0]
-        beta = torch.sigmoid(self.b_proj(hidden_states)[0].float())
+        beta_logits = self.b_proj(hidden_states)[0]
         core = torch.zeros(
             tokens,
             self.local_heads,
@@ -297,7 +331,7 @@ class KdaAttention(nn.Module, MambaBase):
             dtype=torch.float32,
             device=hidden_states.device,
         )
-        self._recurrence(torch.cat([q, k, v], dim=-1), decay, beta, core)
+        self._recurrence(torch.cat([q, k, v], dim=-1), decay, beta_logits, core)
         gate = torch.sigmoid(self.g_proj(hidden_states)[0].float())
         normed = ref.rms_norm(core, self.o_norm.weight, self.o_norm.variance_epsilon)
         out = normed * gate.reshape(tokens, self.local_heads, self.head_dim)
@@ -307,7 +341,7 @@ class KdaAttention(nn.Module, MambaBase):
         self,
         qkv: torch.Tensor,
         decay: torch.Tensor,
-        beta: torch.Tensor,
+        beta_logits: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
         """Fill ``out`` with the delta-rule outputs, sequence by sequence, carrying each
@@ -320,6 +354,8 @@ class KdaAttention(nn.Module, MambaBase):
             # vLLM's profiling and warm-up runs carry no state; their output is unused.
             return
         conv_weight = self._conv_weight()
+        # vLLM's ops take beta before its sigmoid, as the projection gives it.
+        beta = beta_logits if self.vllm_ops else torch.sigmoid(beta_logits.float())
         if metadata.spec_sequence_masks is not None:
             windows = speculative_windows(metadata, qkv.shape[0], self.num_spec + 1)
             self._windows(qkv, conv_weight, decay, beta, out, windows)
@@ -342,6 +378,9 @@ class KdaAttention(nn.Module, MambaBase):
     def _sequences(self, qkv, conv_weight, decay, beta, out, metadata) -> None:
         """The batch's prefills (and, without draft tokens, decodes), one sequence at
         a time; with the kernels, the decodes in one launch."""
+        if self.vllm_ops:
+            self._sequences_on_vllm(qkv, conv_weight, decay, beta, out, metadata)
+            return
         conv_cache, recurrent_cache = self._caches()
         history = self.kernel - 1
         starts, slots, initialized = host_batch(metadata)
@@ -393,13 +432,95 @@ class KdaAttention(nn.Module, MambaBase):
         last step accepted, keeping the state after every window token in vLLM's
         layout (``k3_triton_kernels.kda.windows``). Shapes are fixed by the windows
         and nothing is read back."""
-        if windows.tokens.shape[0]:
-            kda_windows(
-                *self._step_args(qkv, conv_weight, decay, beta),
-                *windows,
-                lower_bound=self.lower_bound,
-                out=out,
+        if not windows.tokens.shape[0]:
+            return
+        if self.vllm_ops:
+            self._windows_on_vllm(qkv, conv_weight, decay, beta, out, windows)
+            return
+        kda_windows(
+            *self._step_args(qkv, conv_weight, decay, beta),
+            *windows,
+            lower_bound=self.lower_bound,
+            out=out,
+        )
+
+    # -- on vLLM's ops (VLLM_K3_KDA=auto) ---------------------------------------------
+
+    def _delta_rule_args(self, mixed, decay, beta_logits) -> dict:
+        """The keyword arguments vLLM's KDA ops share, for ``mixed`` ``[T, 3C]``
+        (the conv's q, k, v), as vLLM's in-tree layer passes them."""
+        tokens = mixed.shape[0]
+        shaped = (1, tokens, self.local_heads, self.head_dim)
+        q, k, v = (
+            part.reshape(shaped).to(decay.dtype)
+            for part in mixed.split(self.local_width, dim=-1)
+        )
+        return dict(
+            q=q, k=k, v=v, raw_g=decay.reshape(shaped),
+            raw_beta=beta_logits.reshape(shaped[:3]), A_log=self.A_log,
+            lower_bound=self.lower_bound,
+        )  # fmt: skip
+
+    def _sequences_on_vllm(self, qkv, conv_weight, decay, beta, out, metadata):
+        """The batch's sequences (prefills, and decodes among them) in one varlen
+        call of vLLM's ``chunk_kda_with_fused_gate``: the conv here, a sequence at
+        a time, each from its cached history; the states in and out in vLLM's
+        layout."""
+        conv_cache, recurrent_cache = self._caches()
+        history = self.kernel - 1
+        starts, slots, initialized = host_batch(metadata)
+        mixed = torch.empty(qkv.shape, dtype=torch.float32, device=qkv.device)
+        bounds, used, initial = [starts[0]], [], []
+        for index in range(len(starts) - 1):
+            begin, end, slot = starts[index], starts[index + 1], slots[index]
+            if begin == end:
+                continue
+            had_state = initialized[index]
+            conv_state = conv_cache[slot, :, :history].float() if had_state else None
+            mixed[begin:end], conv_state = ref.causal_conv_silu(
+                qkv[begin:end].float(), conv_weight.float(), conv_state
             )
+            conv_cache[slot, :, :history] = conv_state.to(conv_cache.dtype)
+            state = recurrent_cache[slot].float()
+            initial.append(state if had_state else torch.zeros_like(state))
+            bounds.append(end)
+            used.append(slot)
+        if not used:
+            return
+        span = slice(bounds[0], bounds[-1])
+        o, final = self.vllm_ops.chunk_kda_with_fused_gate(
+            **self._delta_rule_args(mixed[span], decay[span], beta[span]),
+            g_bias=self.dt_bias, initial_state=torch.stack(initial),
+            output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=torch.tensor(bounds, dtype=torch.int32,
+                                    device=qkv.device) - bounds[0],
+        )  # fmt: skip
+        out[span] = o[0].float()
+        slots_used = torch.tensor(used, device=qkv.device)
+        recurrent_cache[slots_used] = final.to(recurrent_cache.dtype)
+
+    def _windows_on_vllm(self, qkv, conv_weight, decay, beta, out, windows):
+        """Windows through vLLM's ``fused_recurrent_kda`` in vLLM's speculative
+        layout (a slot per window position, the start at ``skip``), the conv here
+        from device tensors: fixed shapes, nothing read back."""
+        conv_cache, recurrent_cache = self._caches()
+        tokens, valid, slots, skip = windows
+        rows, length = tokens.shape
+        mixed = window_conv(qkv, conv_weight[:, 0, :], conv_cache, tokens, slots, skip)
+        positions = tokens.reshape(-1)
+        o, _ = self.vllm_ops.fused_recurrent_kda(
+            **self._delta_rule_args(
+                mixed.reshape(rows * length, -1), decay[positions], beta[positions]
+            ),
+            dt_bias=self.dt_bias, initial_state=recurrent_cache,
+            cu_seqlens=torch.arange(0, rows * length + 1, length, dtype=torch.int32,
+                                    device=qkv.device),
+            ssm_state_indices=torch.where(valid, slots, 0).to(torch.int32),
+            num_accepted_tokens=(skip + 1).to(torch.int32),
+        )  # fmt: skip
+        place_outputs(
+            out, o[0].float().reshape(rows, length, *out.shape[1:]), tokens, valid
+        )
 
     def _conv_weight(self) -> torch.Tensor:
         """The q, k and v conv weights as one ``[3 * width, 1, kernel]`` tensor, made
@@ -442,7 +563,8 @@ class KdaAttention(nn.Module, MambaBase):
         token. Nothing is read back from the device: the step does not sync, and a
         CUDA graph can hold it (padded rows point at vLLM's null block)."""
         if not self.use_kernels or self.num_spec:
-            # The kernel reads a conv buffer of ``kernel - 1`` inputs only.
+            # The kernel reads a conv buffer of ``kernel - 1`` inputs only; vLLM's
+            # ops take every decode as a window of one token.
             windows = decode_windows(metadata, qkv.shape[0])
             self._windows(qkv, conv_weight, decay, beta, out, windows)
             return

