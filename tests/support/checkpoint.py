@@ -109,3 +109,26 @@ def write_repeating_k3_checkpoint(
             tensors[name] = (tensor.float() * sublayer_scale).to(tensor.dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return out_dir
+
+
+def write_fixed_routing_k3_checkpoint(out_dir: Path) -> Path:
+    """The tiny Kimi-K3 checkpoint (``tools.tiny``) with every MoE layer's
+    selection-only correction bias a ramp of whole units (expert ``e`` gets ``-e``):
+    sigmoid scores lie in (0, 1), so every token selects the same top-k experts,
+    weighted by its own scores. A random router's near-ties flip under bf16
+    rounding and move a logprob by whole nats; with the selection fixed, a bf16
+    server can be held to the fp32 reference within bf16's precision."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
+
+    out_dir = write_tiny_k3_checkpoint(Path(out_dir))
+    path = out_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    for name, tensor in tensors.items():
+        if name.endswith("gate.e_score_correction_bias"):
+            ramp = -torch.arange(tensor.shape[0], dtype=torch.float32)
+            tensors[name] = ramp.to(tensor.dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return out_dir
