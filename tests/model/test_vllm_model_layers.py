@@ -1385,6 +1385,32 @@ def test_shapes_the_kernel_cannot_hold_keep_the_pytorch_path_and_say_why(
     )
 
 
+@pytest.mark.parametrize(("backend", "inner"), [("torch", 64), ("triton", 48)])
+def test_on_a_gpu_no_path_decodes_the_experts(vllm_config, monkeypatch, backend, inner):
+    """``torch``, and ``triton`` on a shape its kernel cannot hold, would decode the
+    MXFP4 experts to the model dtype: on a GPU the layer is refused at build,
+    naming the layer, the setting or reason, the platform and the way out."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+
+    from vllm_k3_plugin.model.moe import LatentMoe
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "device_type", "cuda")
+    text = vllm_config.model_config.hf_text_config
+    config = type(text).from_dict({**text.to_dict(), "moe_intermediate_size": inner})
+    with (
+        set_current_vllm_config(vllm_config),
+        _kernels("pytorch", moe=backend),
+        pytest.raises(
+            ValueError,
+            match=r"layers\.1\.block_sparse_moe: .*PyTorch path .*\(cuda\); use "
+            r"VLLM_K3_MOE=auto",
+        ),
+    ):
+        LatentMoe(config, "model.layers.1.block_sparse_moe", backend=backend)
+
+
 def test_each_rank_takes_its_slice_of_the_packed_experts(monkeypatch):
     """Rank 1 of 2: gate/up rows ``[I/2, I)`` and the down projection's columns
     ``[I/2, I)`` (two values per byte, one scale per 32), exactly."""

