@@ -11,12 +11,13 @@ H200: 4.8 TB/s, ~1.98 PFLOP/s dense FP8), and the ratio against vLLM's Triton ke
 for the same job (``decode_attention_fwd`` for MLA decode, ``fused_experts`` for the
 MoE), when that kernel runs here; a baseline that fails is reported, not hidden. The
 KDA prefill (the chunk-terms and state-pass kernels) is set against vLLM's
-``chunk_kda``, and the chunk-terms kernel alone against the batched PyTorch terms it
-replaces. Some rows are inputs to decisions rather than kernels of ours being
-judged: the KDA decode step against its PyTorch reference, the chunked PyTorch
-prefill against the per-token definition, and the attention-residual mix as PyTorch
-runs it today (how far it sits below the HBM roofline is what a fused mix kernel
-could win).
+``chunk_kda``, the KDA decode step against vLLM's ``fused_recurrent_kda`` (both the
+in-tree K3's, from an installed vLLM or loaded from its source), and the chunk-terms
+kernel alone against the batched PyTorch terms it replaces. Some rows are inputs to
+decisions rather than kernels of ours being judged: the KDA decode step against its
+PyTorch reference, the chunked PyTorch prefill against the per-token definition, and
+the attention-residual mix as PyTorch runs it today (how far it sits below the HBM
+roofline is what a fused mix kernel could win).
 
 Bytes are what the job must read and write at least (the FP8 cache rows of every
 sequence; each used expert's weights once, plus activations); FLOPs are the GEMM
@@ -32,6 +33,19 @@ import math
 import os
 import sys
 import time
+
+# Per block, what the model class's ``auto`` setting runs on a deployment and what
+# this script can set beside ours on a GPU machine without vLLM (printed first).
+AUTO_BASELINES = {
+    "MLA": "auto runs the backend vLLM selects (FlashMLA or FA MLA on Hopper, AITER "
+    "on MI355X: vLLM's compiled extensions, not loadable without vLLM); timed here: "
+    "vLLM's Triton MLA decode (decode_attention_fwd), the TRITON_MLA backend's",
+    "MoE": "auto runs vLLM's FusedMoE with the MXFP4 method vLLM picks (Marlin, "
+    "triton_kernels or FlashInfer: compiled or separate packages); timed here: "
+    "vLLM's fused_moe Triton GEMMs on FP8 weights",
+    "KDA": "auto runs vLLM's in-tree K3 ops (chunk_kda_with_fused_gate, "
+    "fused_recurrent_kda); timed here: those kernels, loaded from vLLM's source",
+}
 
 ROOFLINES = {  # (bytes/s, dense FP8 FLOP/s)
     "MI355X": (8.0e12, 5.0e15),
@@ -736,6 +750,9 @@ def main(argv=None) -> int:
     peak = roofline(name)
     warmup, repeats = (0, 1) if args.smoke else (args.warmup, args.repeats)
     print(f"{name}\n")
+    for block, line in AUTO_BASELINES.items():
+        print(f"{block}: {line}")
+    print()
     print(
         "| kernel | shape | µs | eager µs | TB/s | TFLOP/s | % HBM roofline "
         "| % FP8 roofline | vs the baseline |"
