@@ -396,9 +396,12 @@ def _vllm_kda_decode(args, warmup, repeats, cuda):
         q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
         raw_g = args["decay"].view(1, batch, heads, dim)
         raw_beta = torch.logit(args["beta"]).view(1, batch, heads).to(q.dtype)
-        state = args["recurrent_state"].clone()
+        # vLLM's kernel skips a sequence in slot 0 (its null block): slots 1..B.
+        state = args["recurrent_state"]
+        state = torch.cat([torch.zeros_like(state[:1]), state]).transpose(-1, -2)
+        state = state.contiguous()
         cu_seqlens = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
-        slots = args["slots"].to(torch.int32)
+        slots = (args["slots"] + 1).to(torch.int32)
 
         def run():
             op(

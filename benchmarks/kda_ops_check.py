@@ -17,6 +17,9 @@ the in-tree layer hands them over:
   slot per window position, the state after window token ``t`` into slot
   ``s_t``, starting from ``s_{a-1}`` of ``a`` accepted tokens), against the same
   recurrence.
+- ``layer windows``: the model class's own calls for ``VLLM_K3_KDA=auto``
+  (``k3_triton_kernels.kda.vllm_ops_args``) against its PyTorch path, with the rows
+  vLLM stages: short ones, one starting past its window, a padded one.
 
 For each it reports the largest gap of the outputs and of the states written, with
 vLLM's states read as ``[V, K]`` per head and as ``[K, V]`` (ours): the layout that
@@ -175,6 +178,69 @@ def check_windows(ops, shape: dict, device) -> dict:
     return row
 
 
+def check_layer_windows(ops, shape: dict, device) -> dict:
+    """The model class's own calls (``VLLM_K3_KDA=auto``: ``window_conv``, then
+    ``vllm_window_args`` into ``fused_recurrent_kda``, outputs placed back) against
+    its PyTorch path (``kda_windows``) on the same caches, rows as vLLM stages them:
+    a full window after one accepted token, one token after a full window accepted
+    (the start past the window), two after two, and a padded row on the null
+    block. States compared ``[V, K]`` against ours transposed."""
+    import torch
+
+    from k3_triton_kernels.kda.vllm_ops_args import vllm_window_args
+    from k3_triton_kernels.kda.windows import kda_windows, place_outputs, window_conv
+
+    heads, dim, drafts = shape["heads"], shape["dim"], shape["drafts"]
+    width, conv, channels = drafts + 1, 4, heads * dim
+    lengths, accepted = [width, 1, 2, 0], [1, width, 2, 1]
+    rows = len(lengths)
+    generator = torch.Generator().manual_seed(2)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=generator) * scale).to(device)
+
+    tokens_count = sum(lengths)
+    qkv = randn(tokens_count, 3 * channels).to(torch.bfloat16)
+    decay = randn(tokens_count, channels).to(torch.bfloat16)
+    beta_logits = randn(tokens_count, heads).to(torch.bfloat16)
+    conv_weight = randn(3 * channels, conv, scale=0.5).to(torch.bfloat16)
+    a_log, dt_bias = randn(heads, scale=0.5), randn(channels, scale=0.5)
+    slots = torch.arange(1, 1 + rows * width, device=device).view(rows, width)
+    slots[lengths.index(0)] = 0  # the padded row: vLLM's null block
+    cache_slots = 1 + rows * width
+    conv_cache = randn(cache_slots, 3 * channels, conv - 1 + drafts).to(torch.bfloat16)
+    ours = randn(cache_slots, heads, dim, dim, scale=dim**-0.5)
+    offsets = torch.arange(width, device=device)
+    starts = torch.tensor([0, *lengths], device=device).cumsum(0)
+    tokens = (starts[:-1, None] + offsets).clamp(max=tokens_count - 1)
+    valid = offsets < torch.tensor(lengths, device=device)[:, None]
+    skip = torch.tensor(accepted, device=device) - 1
+    windows = (tokens, valid, slots, skip)
+    theirs = ours.transpose(-1, -2).contiguous()
+    their_conv = conv_cache.clone()
+
+    want = torch.zeros(tokens_count, heads, dim, device=device)
+    kda_windows(qkv, conv_weight, conv_cache, decay, dt_bias, a_log,
+                torch.sigmoid(beta_logits.float()), ours, *windows,
+                lower_bound=LOWER_BOUND, out=want)  # fmt: skip
+    row = {"job": "layer windows", "lengths": lengths, "accepted": accepted}
+    if ops is None:
+        return row
+    got = torch.zeros_like(want)
+    mixed = window_conv(qkv, conv_weight, their_conv, tokens, slots, skip)
+    args, at = vllm_window_args(mixed, decay, beta_logits, *windows, heads)
+    o, _ = ops.fused_recurrent_kda(
+        **args, A_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND,
+        initial_state=theirs,
+    )  # fmt: skip
+    place_outputs(got, o[0].float()[at], tokens, valid)
+    real = slots[slots > 0]
+    row["output_gap"] = _gap(got, want)
+    row["state_gaps"] = _layouts(list(theirs[real]), list(ours[real]))
+    row["conv_gap"] = _gap(their_conv.float(), conv_cache.float())
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU")
@@ -203,7 +269,7 @@ def main(argv=None) -> int:
     shape = cases(args.smoke)
     rows = []
     with torch.no_grad():
-        for check in (check_prefill, check_windows):
+        for check in (check_prefill, check_windows, check_layer_windows):
             try:
                 row = check(ops, shape, device)
             except Exception as error:  # report it and go on
@@ -225,11 +291,13 @@ def _line(row: dict) -> str:
     if "output_gap" not in row:
         return f"{row['job']}: references built; vLLM's ops not run"
     layout = min(row["state_gaps"], key=row["state_gaps"].get)
-    verdict = "ok" if row["output_gap"] <= TOLERANCE else "outputs differ"
-    gaps = ", ".join(f"{k} {v:.1e}" for k, v in row["state_gaps"].items())
+    gaps = [row["output_gap"], row["state_gaps"][layout], row.get("conv_gap", 0.0)]
+    verdict = "ok" if max(gaps) <= TOLERANCE else "differs"
+    states = ", ".join(f"{k} {v:.1e}" for k, v in row["state_gaps"].items())
+    conv = f"; conv gap {row['conv_gap']:.1e}" if "conv_gap" in row else ""
     return (
         f"{row['job']}: {verdict}, output gap {row['output_gap']:.1e}; "
-        f"states as {gaps}: vLLM's layout is {layout}"
+        f"states as {states}: vLLM's layout is {layout}{conv}"
     )
 
 

@@ -66,16 +66,20 @@ MOE_ENV = "VLLM_K3_MOE"
 MOE_CHOICES = ("auto", "triton", "torch")
 
 
-def moe(on_gpu: bool) -> str:
+def moe(on_gpu: bool, on_cpu: bool) -> str:
     """``VLLM_K3_MOE``: the routed experts on ``auto`` (vLLM's ``FusedMoE`` layer:
     its router, expert parallelism and the experts kernel and quantization method
     vLLM picks; PyTorch experts inside it on the CPU), ``triton``
-    (``k3_triton_kernels.moe.latent_moe``) or ``torch`` (the PyTorch path).
-    Unset: ``auto``, unless ``VLLM_K3_KERNELS`` is set (then ``triton`` or
-    ``torch`` as it says)."""
+    (``k3_triton_kernels.moe.latent_moe``) or ``torch`` (the PyTorch path on
+    experts decoded on load: the CPU only). Unset: ``auto``; with
+    ``VLLM_K3_KERNELS`` set, ``triton`` for ``triton`` and, for ``pytorch``,
+    ``torch`` on the CPU and ``auto`` elsewhere."""
     default = "auto"
     if _kernels_set():
-        default = "triton" if kernels(on_gpu) == "triton" else "torch"
+        if kernels(on_gpu) == "triton":
+            default = "triton"
+        elif on_cpu:
+            default = "torch"
     return _choice(MOE_ENV, default, MOE_CHOICES, "an MoE")
 
 
@@ -120,7 +124,7 @@ def setting_source(env: str, value: str, on_gpu: bool) -> str:
     variable itself, ``VLLM_K3_KERNELS`` where that chose, else the default."""
     if env in os.environ:
         return f"{env}={value}"
-    if _kernels_set() or env == KDA_ENV:
+    if _kernels_set():
         return f"{KERNELS_ENV}={kernels(on_gpu)}"
     return f"{env}={value}, its default here"
 

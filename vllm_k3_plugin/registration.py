@@ -68,7 +68,7 @@ def register_all() -> None:
 
     models = model_class(on_cpu=current_platform.is_cpu())
     kernels(on_gpu=current_platform.is_cuda_alike())
-    moe(on_gpu=current_platform.is_cuda_alike())
+    moe(on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu())
     mla(on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu())
     kda(on_gpu=current_platform.is_cuda_alike())
     metrics()

@@ -98,6 +98,15 @@ def test_kda_ops_check_runs_on_its_stand_ins(tmp_path):
             out,
             re.MULTILINE,
         ), out
+    # The model class's own calls, rows as vLLM stages them, against its PyTorch
+    # path: bf16 q, k, v into the ops against fp32 ones (1e-3s), conv exact.
+    assert re.search(
+        r"^layer windows: ok, output gap \d\.\de-0[2-9]; states as \[V, K\] "
+        r"\d\.\de-0[2-9], \[K, V\] [1-9]\.\de\+00: vLLM's layout is \[V, K\]; "
+        r"conv gap 0\.0e\+00$",
+        out,
+        re.MULTILINE,
+    ), out
 
 
 def test_mla_sweep_runs_its_smoke_shape():

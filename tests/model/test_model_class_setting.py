@@ -61,8 +61,9 @@ def test_cuda_graphs_are_refused_at_load_only_where_a_layer_reads_the_host(mode)
 
 def test_each_block_defaults_to_vllms_layer_where_it_has_one(monkeypatch):
     """Unset: the MoE on vLLM's FusedMoE everywhere, MLA on vLLM's backend off the
-    CPU, KDA on our kernels on GPUs (no ``auto`` for KDA yet) and PyTorch on the
-    CPU. ``VLLM_K3_KERNELS`` set: every unset block follows it."""
+    CPU, KDA on our kernels on GPUs (``auto`` waits for a GPU check) and PyTorch on
+    the CPU. ``VLLM_K3_KERNELS`` set: every unset block follows it, but no PyTorch
+    MoE or MLA off the CPU (vLLM's layers there)."""
     from vllm_k3_plugin.envs import (
         KDA_ENV,
         KERNELS_ENV,
@@ -79,17 +80,19 @@ def test_each_block_defaults_to_vllms_layer_where_it_has_one(monkeypatch):
         monkeypatch.delenv(env, raising=False)
 
     def blocks(on_gpu: bool) -> tuple[str, str, str]:
-        return moe(on_gpu), mla(on_gpu, on_cpu=not on_gpu), kda(on_gpu)
+        return moe(on_gpu, not on_gpu), mla(on_gpu, not on_gpu), kda(on_gpu)
 
     assert blocks(on_gpu=True) == ("auto", "auto", "triton")
     assert blocks(on_gpu=False) == ("auto", "torch", "torch")
     assert setting_source(MOE_ENV, "auto", True) == "VLLM_K3_MOE=auto, its default here"
-    assert setting_source(KDA_ENV, "torch", False) == "VLLM_K3_KERNELS=pytorch"
+    assert (
+        setting_source(KDA_ENV, "torch", False) == "VLLM_K3_KDA=torch, its default here"
+    )
     monkeypatch.setenv(KERNELS_ENV, " PyTorch ")
     assert kernels(on_gpu=True) == "pytorch"
-    assert blocks(on_gpu=True) == ("torch", "auto", "torch")
+    assert blocks(on_gpu=True) == ("auto", "auto", "torch")
     assert blocks(on_gpu=False) == ("torch", "torch", "torch")
-    assert setting_source(MOE_ENV, "torch", True) == "VLLM_K3_KERNELS=pytorch"
+    assert setting_source(MOE_ENV, "torch", False) == "VLLM_K3_KERNELS=pytorch"
     monkeypatch.setenv(KERNELS_ENV, "triton")
     assert blocks(on_gpu=False) == ("triton", "triton", "triton")
     monkeypatch.setenv(MOE_ENV, " Auto ")
@@ -97,13 +100,13 @@ def test_each_block_defaults_to_vllms_layer_where_it_has_one(monkeypatch):
     assert blocks(on_gpu=True) == ("auto", "triton", "torch")
     assert setting_source(KDA_ENV, "torch", True) == "VLLM_K3_KDA=torch"
     for env, value, choices, read in (
-        (MOE_ENV, "fused", "auto, triton, torch", moe),
-        (KDA_ENV, "fla", "auto, triton, torch", kda),
-        (KERNELS_ENV, "cuda", "triton, pytorch", kernels),
+        (MOE_ENV, "fused", "auto, triton, torch", lambda: moe(True, False)),
+        (KDA_ENV, "fla", "auto, triton, torch", lambda: kda(True)),
+        (KERNELS_ENV, "cuda", "triton, pytorch", lambda: kernels(True)),
     ):
         monkeypatch.setenv(env, value)
         with pytest.raises(ValueError, match=f"{env}='{value}' .*{choices}"):
-            read(on_gpu=True)
+            read()
 
 
 def test_the_mla_setting_picks_the_backend_and_refuses_torch_on_gpus(monkeypatch):

@@ -742,13 +742,15 @@ def test_on_vllms_kda_ops_chunks_and_decodes_equal_the_pytorch_path(
         )
 
 
-@pytest.mark.parametrize("accepted", [1, DRAFTS + 1])
+@pytest.mark.parametrize(("accepted", "following"), [(1, 4), (4, 4), (4, 1), (3, 2)])
 def test_on_vllms_kda_ops_windows_and_a_prefill_equal_the_pytorch_path(
-    spec_layer, vllm_ops_spec_layer, accepted
+    spec_layer, vllm_ops_spec_layer, accepted, following
 ):
     """Speculative rows through ``fused_recurrent_kda`` (a slot per window
     position, the start at the accepted count) beside a prefill in one step, then
-    resumed after ``accepted`` tokens: the PyTorch path's outputs and states."""
+    resumed after ``accepted`` tokens with a window of ``following`` (shorter than
+    the accepted count: the row starts past its window): the PyTorch path's
+    outputs and states."""
     ours, spec_config = spec_layer
     theirs, _ = vllm_ops_spec_layer
     gen = torch.Generator().manual_seed(20 + accepted)
@@ -756,18 +758,18 @@ def test_on_vllms_kda_ops_windows_and_a_prefill_equal_the_pytorch_path(
     step = torch.cat(
         [torch.randn(4, 64, generator=gen), torch.randn(5, 64, generator=gen)]
     )
-    following = torch.randn(DRAFTS + 1, 64, generator=gen)
+    next_window = torch.randn(following, 64, generator=gen)
     slots = [[1, 2, 3, 4]]
     verify = _spec_metadata(
         [DRAFTS + 1], lambda i, n: range(n), slots, [1], prefills=[(5, 9, False)]
     )
-    resume = _spec_metadata([DRAFTS + 1], lambda i, n: range(n), slots, [accepted])
+    resume = _spec_metadata([following], lambda i, n: range(n), slots, [accepted])
     outputs = {}
     for name, layer, vllm_layout in (("ours", ours, False), ("theirs", theirs, True)):
         _fresh_cache(layer, slots=10)
         _kda_step(layer, spec_config, prompt, [6], [1], [False])
         first = _run_kda(layer, spec_config, step, verify)
-        second = _run_kda(layer, spec_config, following, resume)
+        second = _run_kda(layer, spec_config, next_window, resume)
         written = [*slots[0], 9]
         outputs[name] = (first, second, _states(layer, written, vllm_layout))
     for got, want, what in zip(

@@ -37,6 +37,7 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
 )
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -58,6 +59,7 @@ from k3_triton_kernels.kda.chunk_state import kda_state_pass
 from k3_triton_kernels.kda.chunk_terms import kda_chunk_terms
 from k3_triton_kernels.kda.decode import kda_decode
 from k3_triton_kernels.kda.naive import delta_rule_inputs
+from k3_triton_kernels.kda.vllm_ops_args import vllm_chunk_args, vllm_window_args
 from k3_triton_kernels.kda.windows import kda_windows, place_outputs, window_conv
 from k3_triton_kernels.runtime import CHUNKED_KDA_MAX_CHUNK, log_path
 from vllm_k3_plugin.model.kernel_choice import kda_backend, kda_setting
@@ -183,6 +185,17 @@ VLLM_KDA_OPS = {
 }
 
 
+_said: set[str] = set()
+logger = init_logger("vllm.k3_plugin.model")
+
+
+def _say_once(line: str) -> None:
+    """Once a process, on every rank."""
+    if line not in _said:
+        _said.add(line)
+        logger.info(line)
+
+
 def resolve_vllm_kda_ops(prefix: str):
     """The installed vLLM's KDA ops for this platform (``VLLM_K3_KDA=auto``), or
     ``None`` where this vLLM has none (the layer then runs the project's kernels
@@ -230,8 +243,15 @@ class KdaAttention(nn.Module, MambaBase):
         # vLLM's ops keep each state [V, K] (value channel first), ours [K, V]:
         # every step of a layer runs on one of the two.
         self.vllm_ops = resolve_vllm_kda_ops(prefix) if backend == "auto" else None
-        if backend == "auto" and self.vllm_ops is None:
-            log_path("KDA on vLLM's ops", "none in this vLLM; the project's kernels")
+        if backend == "auto":
+            _say_once(
+                f"Kimi-K3 KDA delta rule ({kda_setting()}): "
+                + (
+                    f"vLLM's ops {self.vllm_ops.__name__}"
+                    if self.vllm_ops
+                    else "this vLLM has no KDA ops for K3; the project's kernels"
+                )
+            )
         self.use_kernels = backend != "torch" and self.vllm_ops is None
         if self.use_kernels and self.num_spec:
             log_path("KDA speculative verification", "PyTorch only")
@@ -446,21 +466,6 @@ class KdaAttention(nn.Module, MambaBase):
 
     # -- on vLLM's ops (VLLM_K3_KDA=auto) ---------------------------------------------
 
-    def _delta_rule_args(self, mixed, decay, beta_logits) -> dict:
-        """The keyword arguments vLLM's KDA ops share, for ``mixed`` ``[T, 3C]``
-        (the conv's q, k, v), as vLLM's in-tree layer passes them."""
-        tokens = mixed.shape[0]
-        shaped = (1, tokens, self.local_heads, self.head_dim)
-        q, k, v = (
-            part.reshape(shaped).to(decay.dtype)
-            for part in mixed.split(self.local_width, dim=-1)
-        )
-        return dict(
-            q=q, k=k, v=v, raw_g=decay.reshape(shaped),
-            raw_beta=beta_logits.reshape(shaped[:3]), A_log=self.A_log,
-            lower_bound=self.lower_bound,
-        )  # fmt: skip
-
     def _sequences_on_vllm(self, qkv, conv_weight, decay, beta, out, metadata):
         """The batch's sequences (prefills, and decodes among them) in one varlen
         call of vLLM's ``chunk_kda_with_fused_gate``: the conv here, a sequence at
@@ -488,12 +493,13 @@ class KdaAttention(nn.Module, MambaBase):
         if not used:
             return
         span = slice(bounds[0], bounds[-1])
+        starts = torch.tensor(bounds, dtype=torch.int32, device=qkv.device)
+        args = vllm_chunk_args(mixed[span], decay[span], beta[span], self.local_heads)
         o, final = self.vllm_ops.chunk_kda_with_fused_gate(
-            **self._delta_rule_args(mixed[span], decay[span], beta[span]),
-            g_bias=self.dt_bias, initial_state=torch.stack(initial),
+            **args, A_log=self.A_log, g_bias=self.dt_bias,
+            lower_bound=self.lower_bound, initial_state=torch.stack(initial),
             output_final_state=True, use_qk_l2norm_in_kernel=True,
-            cu_seqlens=torch.tensor(bounds, dtype=torch.int32,
-                                    device=qkv.device) - bounds[0],
+            cu_seqlens=starts - bounds[0],
         )  # fmt: skip
         out[span] = o[0].float()
         slots_used = torch.tensor(used, device=qkv.device)
@@ -505,22 +511,13 @@ class KdaAttention(nn.Module, MambaBase):
         from device tensors: fixed shapes, nothing read back."""
         conv_cache, recurrent_cache = self._caches()
         tokens, valid, slots, skip = windows
-        rows, length = tokens.shape
         mixed = window_conv(qkv, conv_weight[:, 0, :], conv_cache, tokens, slots, skip)
-        positions = tokens.reshape(-1)
+        args, at = vllm_window_args(mixed, decay, beta, *windows, self.local_heads)
         o, _ = self.vllm_ops.fused_recurrent_kda(
-            **self._delta_rule_args(
-                mixed.reshape(rows * length, -1), decay[positions], beta[positions]
-            ),
-            dt_bias=self.dt_bias, initial_state=recurrent_cache,
-            cu_seqlens=torch.arange(0, rows * length + 1, length, dtype=torch.int32,
-                                    device=qkv.device),
-            ssm_state_indices=torch.where(valid, slots, 0).to(torch.int32),
-            num_accepted_tokens=(skip + 1).to(torch.int32),
+            **args, A_log=self.A_log, dt_bias=self.dt_bias,
+            lower_bound=self.lower_bound, initial_state=recurrent_cache,
         )  # fmt: skip
-        place_outputs(
-            out, o[0].float().reshape(rows, length, *out.shape[1:]), tokens, valid
-        )
+        place_outputs(out, o[0].float()[at], tokens, valid)
 
     def _conv_weight(self) -> torch.Tensor:
         """The q, k and v conv weights as one ``[3 * width, 1, kernel]`` tensor, made

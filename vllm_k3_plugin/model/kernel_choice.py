@@ -17,7 +17,7 @@ from vllm_k3_plugin.envs import (
 
 
 def kda_backend() -> str:
-    """``triton`` or ``torch`` (``envs.kda``)."""
+    """``auto``, ``triton`` or ``torch`` (``envs.kda``)."""
     return kda(on_gpu=current_platform.is_cuda_alike())
 
 
@@ -28,7 +28,9 @@ def kda_setting() -> str:
 
 def moe_backend() -> str:
     """``auto``, ``triton`` or ``torch`` (``envs.moe``)."""
-    return moe(on_gpu=current_platform.is_cuda_alike())
+    return moe(
+        on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu()
+    )
 
 
 def mla_backend() -> str:

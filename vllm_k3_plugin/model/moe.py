@@ -209,9 +209,7 @@ class LatentMoe(nn.Module):
                 router_bias=self.gate.e_score_correction_bias,
             )
         else:
-            self._own_experts(
-                prefix, backend, local_inner, latent, config.num_experts
-            )
+            self._own_experts(prefix, backend, local_inner, latent, config.num_experts)
         self.shared_experts = SituMlp(
             hidden,
             inner * config.num_shared_experts,

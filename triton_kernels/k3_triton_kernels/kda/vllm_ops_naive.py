@@ -12,7 +12,10 @@ short conv's outputs (L2-normalized in the kernel, ``q`` scaled by ``D^-½``),
 the gate, ``raw_beta`` ``[1, T, H]`` before its sigmoid, ``A_log`` ``[H]``;
 sequences by ``cu_seqlens``. States are fp32 ``[H, V, K]`` (value channel first:
 the transpose of ``naive.kda_recurrence``'s). ``o`` comes back ``[1, T, H, V]`` in
-``q``'s dtype.
+``v``'s dtype. ``fused_recurrent_kda`` also checks what vLLM's launcher asserts
+(dense inner dimensions, one token stride) and, as its kernel does, leaves a
+sequence whose start slot is ≤ 0 (vLLM's null block: a padded row) alone and writes
+no state to a slot ≤ 0.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def chunk_kda_with_fused_gate(
             out[t], state = kda_step(q_hat[t], k_hat[t], v[0, t], g[t], beta[t], state)
         finals.append(state.transpose(-1, -2))
     final = torch.stack(finals) if output_final_state else None
-    return out[None].to(q.dtype), final
+    return out[None].to(v.dtype), final
 
 
 def fused_recurrent_kda(
@@ -62,6 +65,8 @@ def fused_recurrent_kda(
     ``ssm_state_indices[n, a - 1]`` (``a`` = ``num_accepted_tokens[n]``, else
     column 0) of ``initial_state`` and writes the state after its token ``t`` into
     slot ``ssm_state_indices[n, t]``, in place. Returns ``(o, initial_state)``."""
+    _check_launch(q, k, v, raw_g, raw_beta, initial_state, ssm_state_indices,
+                  num_accepted_tokens, cu_seqlens)  # fmt: skip
     q_hat, k_hat, g, beta = _prepared(
         q, k, raw_g, raw_beta, A_log, dt_bias, lower_bound
     )
@@ -69,18 +74,40 @@ def fused_recurrent_kda(
     if indices.dim() == 1:
         indices = indices[:, None]
     bounds = cu_seqlens.tolist()
-    o = torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
+    o = torch.zeros(v.shape[1:], dtype=torch.float32, device=v.device)
     for n in range(len(bounds) - 1):
         start = 0 if num_accepted_tokens is None else int(num_accepted_tokens[n]) - 1
-        state = initial_state[int(indices[n, start])].float().transpose(-1, -2)
+        slot = int(indices[n, start])
+        if slot <= 0:
+            continue
+        state = initial_state[slot].float().transpose(-1, -2)
         for t, token in enumerate(range(bounds[n], bounds[n + 1])):
             o[token], state = kda_step(
                 q_hat[token], k_hat[token], v[0, token], g[token], beta[token], state
             )
             slot = int(indices[n, t])
-            initial_state[slot] = state.transpose(-1, -2).to(initial_state.dtype)
-    result = o[None].to(q.dtype)
+            if slot > 0:
+                initial_state[slot] = state.transpose(-1, -2).to(initial_state.dtype)
+    result = o[None].to(v.dtype)
     if out is not None:
         out.copy_(result)
         result = out
     return result, initial_state
+
+
+def _check_launch(q, k, v, g, beta, state, indices, accepted, cu_seqlens) -> None:
+    """What vLLM's ``fused_recurrent_kda_fwd`` asserts before it launches."""
+    _, tokens, heads, key = q.shape
+    value = v.shape[-1]
+    assert q.shape[0] == 1 and k.shape == q.shape and g.shape == q.shape
+    assert v.shape == (1, tokens, heads, value) and beta.shape == (1, tokens, heads)
+    assert state.shape[1:] == (heads, value, key)
+    assert q.stride()[2:] == k.stride()[2:] == g.stride()[2:] == (key, 1)
+    assert v.stride()[2:] == (value, 1) and beta.stride(2) == 1
+    assert q.stride(1) == k.stride(1) == v.stride(1)
+    assert state.stride()[1:] == (value * key, key, 1)
+    assert indices.dim() in (1, 2) and cu_seqlens.is_contiguous()
+    if indices.dim() == 1:
+        assert tokens == cu_seqlens.numel() - 1 and accepted is None
+    else:
+        assert indices.stride(1) == 1
