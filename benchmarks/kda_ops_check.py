@@ -2,8 +2,11 @@
 GPU: the question to answer before ``VLLM_K3_KDA=auto`` can run the class's KDA
 layers on them.
 
-    python benchmarks/kda_ops_check.py [--out DIR]   # on the GPU, one TP8 rank
+    benchmarks/gpu_check.sh kda                      # on the GPU, one TP8 rank
     python benchmarks/kda_ops_check.py --smoke       # on the CPU: the plumbing only
+
+(``gpu_check.sh`` puts ``triton_kernels/`` on ``PYTHONPATH`` and points ``VLLM_SRC``
+at the sources ``gpu_check.sh prepare`` copied.)
 
 The ops are vLLM's (``vllm/models/kimi_k3/{nvidia,amd}/ops/third_party/kda``), from
 an installed vLLM or loaded from its source files (``vllm_baselines.k3_kda_ops``:

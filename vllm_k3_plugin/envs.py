@@ -112,7 +112,7 @@ def kda(on_gpu: bool) -> str:
     KDA ops, GPUs only; the project's kernels where the installed vLLM has none),
     ``triton`` (``k3_triton_kernels.kda``: chunk terms and state pass for
     prefills, the fused decode step) or ``torch`` (their PyTorch paths). Unset, it
-    follows ``VLLM_K3_KERNELS`` (``triton`` on GPUs, ``torch`` on the CPU): ``auto``
+    follows ``VLLM_K3_KERNELS`` (``triton`` on CUDA and ROCm, else ``torch``): ``auto``
     is not the default until a GPU has checked vLLM's ops against ours
     (``benchmarks/kda_ops_check.py``)."""
     default = "triton" if kernels(on_gpu) == "triton" else "torch"

@@ -753,6 +753,7 @@ def test_on_vllms_kda_ops_windows_and_a_prefill_equal_the_pytorch_path(
     outputs and states."""
     ours, spec_config = spec_layer
     theirs, _ = vllm_ops_spec_layer
+    assert theirs.vllm_ops is not None
     gen = torch.Generator().manual_seed(20 + accepted)
     prompt = torch.randn(6, 64, generator=gen)
     step = torch.cat(
@@ -776,6 +777,76 @@ def test_on_vllms_kda_ops_windows_and_a_prefill_equal_the_pytorch_path(
         outputs["theirs"], outputs["ours"], ("verify", "resume", "states")
     ):
         assert_close(got, want, atol=1e-5, what=what)
+
+
+def _three_rows(lengths, accepted):
+    """Speculative rows in slots 1-4, 5-8 and a padded one (vLLM's pad slot),
+    their tokens in batch order."""
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    slots = [[1, 2, 3, 4], [5, 6, 7, 8], [-1, -1, -1, -1]]
+    return _spec_metadata(
+        lengths, lambda i, n: range(starts[i], starts[i] + n), slots, accepted
+    )
+
+
+def test_on_vllms_kda_ops_a_step_of_rows_equals_the_pytorch_path(
+    spec_layer, vllm_ops_spec_layer
+):
+    """Several speculative rows packed into one ``fused_recurrent_kda`` call, a
+    padded one (vLLM's null block, no tokens) among them, then a step of shorter
+    windows resumed at other accepted counts: the PyTorch path's outputs and
+    states."""
+    ours, spec_config = spec_layer
+    theirs, _ = vllm_ops_spec_layer
+    assert theirs.vllm_ops is not None
+    gen = torch.Generator().manual_seed(31)
+    prompts = [torch.randn(n, 64, generator=gen) for n in (5, 3)]
+    first = torch.randn(6, 64, generator=gen)
+    second = torch.randn(3, 64, generator=gen)
+    step_one = _three_rows([4, 2, 0], [1, 1, 1])
+    step_two = _three_rows([1, 2, 0], [3, 2, 1])
+    results = {}
+    for name, layer, vllm_layout in (("ours", ours, False), ("theirs", theirs, True)):
+        _fresh_cache(layer, slots=10)
+        for prompt, slot in zip(prompts, (1, 5), strict=True):
+            _kda_step(layer, spec_config, prompt, [len(prompt)], [slot], [False])
+        got_one = _run_kda(layer, spec_config, first, step_one)
+        got_two = _run_kda(layer, spec_config, second, step_two)
+        written = [1, 2, 3, 4, 5, 6]  # 7 and 8: no row reached them
+        results[name] = (got_one, got_two, _states(layer, written, vllm_layout))
+    for got, want, what in zip(
+        results["theirs"], results["ours"], ("first step", "second step", "states")
+    ):
+        assert_close(got, want, atol=1e-5, what=what)
+
+
+def test_on_vllms_kda_ops_windows_read_nothing_back_around_the_op(spec_layer):
+    """The windows' conv, the packed arguments and the outputs' placing run from
+    device tensors only (a CUDA graph holds them; the op itself is vLLM's)."""
+    from k3_triton_kernels.kda.vllm_ops_args import vllm_window_args
+    from k3_triton_kernels.kda.windows import place_outputs, window_conv
+    from vllm_k3_plugin.model.kda import speculative_windows
+
+    layer, _ = spec_layer
+    _fresh_cache(layer, slots=10)
+    conv_cache, _ = layer._caches()
+    conv_cache.zero_()
+    gen = torch.Generator().manual_seed(32)
+    qkv = torch.randn(6, 3 * layer.local_width, generator=gen)
+    decay = torch.randn(6, layer.local_width, generator=gen)
+    beta = torch.randn(6, layer.local_heads, generator=gen)
+    metadata = _three_rows([4, 2, 0], [1, 2, 1])
+    out = torch.zeros(6, layer.local_heads, layer.head_dim)
+    with no_host_reads():
+        windows = speculative_windows(metadata, 6, DRAFTS + 1)
+        mixed = window_conv(qkv, layer._conv_weight()[:, 0, :], conv_cache,
+                            windows.tokens, windows.slots, windows.skip)  # fmt: skip
+        args, at = vllm_window_args(mixed, decay, beta, *windows, layer.local_heads)
+        o = args["v"].float()  # the op's output, [1, T, H, V]
+        place_outputs(out, o[0][at], windows.tokens, windows.valid)
+    assert args["cu_seqlens"].tolist() == [0, 4, 6, 6, 6]
+    assert args["num_accepted_tokens"].tolist() == [1, 2, 1, 1]
+    assert torch.equal(out, args["v"][0, :6].float())
 
 
 def test_the_joined_conv_weight_is_made_once_and_follows_a_reload(model):

@@ -49,7 +49,11 @@ PARTITIONED = (
 # layer: each rank holds every expert, sliced, or half of them, whole).
 SPLITS = {
     "tp1": ((), {}, (re.escape(ONE_RANK),)),
-    "tp2-torch-moe": (("--tensor-parallel-size", "2"), TORCH_MOE, TP2_RANKS),
+    "tp2-torch-moe": (
+        ("--tensor-parallel-size", "2"),
+        TORCH_MOE,
+        (*TP2_RANKS, re.escape("Latent MoE: PyTorch path (VLLM_K3_MOE=torch)")),
+    ),
     "pp2": (("--pipeline-parallel-size", "2"), {}, ("Worker_PP0", "Worker_PP1")),
     "tp2": (
         ("--tensor-parallel-size", "2"),

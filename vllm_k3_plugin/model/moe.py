@@ -229,7 +229,8 @@ class LatentMoe(nn.Module):
                 f"{prefix}: the routed experts' PyTorch path ({blocker}) decodes the "
                 "MXFP4 experts to the model dtype, which the real model cannot "
                 f"afford on this platform ({current_platform.device_type}); use "
-                "VLLM_K3_MOE=auto (vLLM's FusedMoE) or triton"
+                "VLLM_K3_MOE=auto (vLLM's FusedMoE)"
+                + ("" if backend == "triton" else " or triton")
             )
         if blocker is not None:
             log_path("Latent MoE", blocker)

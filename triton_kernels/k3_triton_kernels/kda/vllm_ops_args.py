@@ -51,9 +51,10 @@ def vllm_window_args(
     other (``cu_seqlens`` from the valid counts), so the kernel reads each row's
     start slot ``slots[r, skip[r]]`` and writes the state after token ``t`` into
     ``slots[r, t]`` for its own tokens only (a row shorter than last step's
-    accepted count included; a padded row, on the null block, does nothing). The
-    shapes stay fixed (``R·L`` positions, the unused ones past the last row) and
-    nothing is read back. q, k, v are dense, in the model's dtype."""
+    accepted count included; a padded row, on the null block, does nothing), and
+    one empty row more so that a call is never of one sequence. The shapes stay
+    fixed (``R·L`` positions, the unused ones past the last row) and nothing is
+    read back. q, k, v are dense, in the model's dtype."""
     rows, length = tokens.shape
     counts = valid.sum(dim=1)
     starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
@@ -73,12 +74,18 @@ def vllm_window_args(
         packed(part).reshape(shaped).to(decay.dtype).contiguous()
         for part in mixed.reshape(spare, -1).chunk(3, dim=-1)
     )
+    # One empty sequence more, on the null block: vLLM's ROCm kernel runs a call
+    # of one sequence as one sequence of all T tokens, ignoring ``cu_seqlens``.
     args = dict(
         q=q, k=k, v=v,
         raw_g=packed(decay[positions]).reshape(shaped).contiguous(),
         raw_beta=packed(beta_logits[positions]).reshape(1, spare, heads).contiguous(),
-        cu_seqlens=starts.to(torch.int32),
-        ssm_state_indices=slots.to(torch.int32).contiguous(),
-        num_accepted_tokens=(skip + 1).to(torch.int32),
+        cu_seqlens=torch.cat([starts, starts[-1:]]).to(torch.int32),
+        ssm_state_indices=torch.cat([slots, torch.zeros_like(slots[:1])])
+        .to(torch.int32)
+        .contiguous(),
+        num_accepted_tokens=torch.cat([skip + 1, torch.ones_like(skip[:1])]).to(
+            torch.int32
+        ),
     )  # fmt: skip
     return args, packed_at.clamp(max=spare - 1).reshape(rows, length)

@@ -67,6 +67,8 @@ def fused_recurrent_kda(
     slot ``ssm_state_indices[n, t]``, in place. Returns ``(o, initial_state)``."""
     _check_launch(q, k, v, raw_g, raw_beta, initial_state, ssm_state_indices,
                   num_accepted_tokens, cu_seqlens)  # fmt: skip
+    assert A_log.is_contiguous() and dt_bias.is_contiguous()
+    assert out is None or out.shape == v.shape
     q_hat, k_hat, g, beta = _prepared(
         q, k, raw_g, raw_beta, A_log, dt_bias, lower_bound
     )
@@ -74,11 +76,14 @@ def fused_recurrent_kda(
     if indices.dim() == 1:
         indices = indices[:, None]
     bounds = cu_seqlens.tolist()
-    o = torch.zeros(v.shape[1:], dtype=torch.float32, device=v.device)
+    # vLLM's kernel writes only its sequences' tokens (and one zero for a row it
+    # skips) into an uninitialized output: NaN stands for what it leaves.
+    o = torch.full(v.shape[1:], float("nan"), dtype=torch.float32, device=v.device)
     for n in range(len(bounds) - 1):
         start = 0 if num_accepted_tokens is None else int(num_accepted_tokens[n]) - 1
         slot = int(indices[n, start])
         if slot <= 0:
+            o[bounds[n] : bounds[n] + 1] = 0.0
             continue
         state = initial_state[slot].float().transpose(-1, -2)
         for t, token in enumerate(range(bounds[n], bounds[n + 1])):
