@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-from vllm.logger import init_logger
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -34,10 +33,9 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 from vllm.platforms import current_platform
 
 from k3_triton_kernels.runtime import log_path
+from vllm_k3_plugin.model.logs import say_once
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import situ_betas
-
-logger = init_logger("vllm.k3_plugin.model")
 
 
 class TorchSituExperts(mk.FusedMoEExpertsModular):
@@ -184,14 +182,8 @@ def fused_routed_experts(config, *, prefix: str, quant_config, router_bias):
         f"experts on this rank (expert parallel: {parallel.use_ep}, "
         f"ep_size={parallel.ep_size}, tp_size={parallel.tp_size})"
     )
-    # Once a process, on every rank (vLLM's info_once logs on the first rank only).
-    if line not in _said:
-        _said.add(line)
-        logger.info(line)
+    say_once(line)
     return runner
-
-
-_said: set[str] = set()
 
 
 def load_fused_expert(runner, name: str, expert: int, proj: str, packed, scale):

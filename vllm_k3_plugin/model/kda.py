@@ -11,8 +11,9 @@ PyTorch, and the delta rule in its chunked form (``reference.kda_chunk``).
 With ``VLLM_K3_KDA=triton`` the chunk terms run
 ``k3_triton_kernels.kda.chunk_terms``, the chunks' state pass
 ``k3_triton_kernels.kda.chunk_state``, and the batch's decode tokens (one new token of
-an initialized sequence) ``k3_triton_kernels.kda.decode`` in one launch; else all
-three stay in PyTorch.
+an initialized sequence) ``k3_triton_kernels.kda.decode`` in one launch; with
+``VLLM_K3_KDA=auto`` the delta rule runs vLLM's in-tree K3 KDA ops (CUDA and ROCm;
+``_sequences_on_vllm``, ``_windows_on_vllm``); else all three stay in PyTorch.
 
 With speculative decoding every decode is a speculative row: it verifies its window
 from the state its last step accepted and keeps the state after each window token
@@ -37,7 +38,6 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
 )
 from vllm.forward_context import get_forward_context
-from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -63,6 +63,7 @@ from k3_triton_kernels.kda.vllm_ops_args import vllm_chunk_args, vllm_window_arg
 from k3_triton_kernels.kda.windows import kda_windows, place_outputs, window_conv
 from k3_triton_kernels.runtime import CHUNKED_KDA_MAX_CHUNK, log_path
 from vllm_k3_plugin.model.kernel_choice import kda_backend, kda_setting
+from vllm_k3_plugin.model.logs import say_once
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import gate_lower_bound
 from vllm_k3_plugin.reference.kda_chunk import (
@@ -178,22 +179,11 @@ def kda_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]
 
 # vLLM's in-tree K3 KDA ops (0.32 and 0.33), one copy per vendor; vLLM also ships
 # flash-linear-attention's port (``vllm/third_party/flash_linear_attention/ops/kda.py``)
-# whose ops take the gate already applied and beta after its sigmoid.
+# whose ops take beta after its sigmoid.
 VLLM_KDA_OPS = {
     "nvidia": "vllm.models.kimi_k3.nvidia.ops.third_party.kda",
     "amd": "vllm.models.kimi_k3.amd.ops.third_party.kda",
 }
-
-
-_said: set[str] = set()
-logger = init_logger("vllm.k3_plugin.model")
-
-
-def _say_once(line: str) -> None:
-    """Once a process, on every rank."""
-    if line not in _said:
-        _said.add(line)
-        logger.info(line)
 
 
 def resolve_vllm_kda_ops(prefix: str):
@@ -244,7 +234,7 @@ class KdaAttention(nn.Module, MambaBase):
         # every step of a layer runs on one of the two.
         self.vllm_ops = resolve_vllm_kda_ops(prefix) if backend == "auto" else None
         if backend == "auto":
-            _say_once(
+            say_once(
                 f"Kimi-K3 KDA delta rule ({kda_setting()}): "
                 + (
                     f"vLLM's ops {self.vllm_ops.__name__}"

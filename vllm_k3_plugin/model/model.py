@@ -27,7 +27,6 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.distributed import get_pp_group
-from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_utils import (
@@ -54,6 +53,7 @@ from vllm_k3_plugin.model.kda import (
     kda_state_shapes,
 )
 from vllm_k3_plugin.model.kernel_choice import moe_backend
+from vllm_k3_plugin.model.logs import logger
 from vllm_k3_plugin.model.mla import GatedMlaAttention
 from vllm_k3_plugin.model.moe import LatentMoe, SituMlp
 from vllm_k3_plugin.reference import reference as ref
@@ -69,8 +69,6 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     mtp_layers,
     situ_betas,
 )
-
-logger = init_logger("vllm.k3_plugin.model")
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 

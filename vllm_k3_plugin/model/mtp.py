@@ -25,7 +25,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -35,6 +34,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.platforms import current_platform
 
+from vllm_k3_plugin.model.logs import logger
 from vllm_k3_plugin.model.model import (
     DecoderLayer,
     check_cuda_graphs,
@@ -49,8 +49,6 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     mtp_layers,
     mtp_weight_shapes,
 )
-
-logger = init_logger("vllm.k3_plugin.model")
 
 
 class SharedHead(nn.Module):
