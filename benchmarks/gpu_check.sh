@@ -8,6 +8,7 @@
 #   benchmarks/gpu_check.sh sweep     # there: the MLA and MoE sweeps
 #   benchmarks/gpu_check.sh graphs    # there: decode steps in CUDA graphs vs eager
 #   benchmarks/gpu_check.sh kda       # there: vLLM's K3 KDA ops vs our reference
+#   benchmarks/gpu_check.sh questions # there: kda, then graphs, in one call (~8 min)
 #
 # `prepare` copies the vLLM files benchmarks/vllm_baselines.py reads (vLLM's own
 # Triton kernels, run without importing vLLM) from this checkout's .venv into
@@ -54,6 +55,19 @@ if [[ "${1:-}" == "graphs" ]]; then
     timeout "${GRAPH_SECONDS:-420}" "$PY" benchmarks/graph_check.py --out "$OUT" 2>&1 \
         | tee "$OUT/graph_check.txt"
     exit "${PIPESTATUS[0]}"
+fi
+
+if [[ "${1:-}" == "questions" ]]; then
+    # The two open questions in one device call (one machine start): what vLLM's
+    # KDA ops compute, then both CUDA graph forms against eager.
+    status=0
+    timeout "${KDA_SECONDS:-150}" "$PY" benchmarks/kda_ops_check.py --out "$OUT" 2>&1 \
+        | tee "$OUT/kda_ops_check.txt"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    timeout "${GRAPH_SECONDS:-330}" "$PY" benchmarks/graph_check.py --out "$OUT" 2>&1 \
+        | tee "$OUT/graph_check.txt"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    exit "$status"
 fi
 
 if [[ "${1:-}" == "kda" ]]; then
