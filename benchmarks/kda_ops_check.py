@@ -76,15 +76,16 @@ def reference(x: dict, span: slice, state):
     """Our recurrence over tokens ``span`` from ``state`` ``[H, K, V]`` (or new)."""
     import torch
 
-    from k3_triton_kernels.kda.naive import kda_gate, kda_recurrence, l2_normalize
+    from k3_triton_kernels.kda.naive import delta_rule_inputs, kda_recurrence
 
-    heads, dim = x["a_log"].shape[0], x["q"].shape[-1]
-    q = l2_normalize(x["q"][span].float()) / dim**0.5
-    k = l2_normalize(x["k"][span].float())
-    bias = x["dt_bias"].view(heads, dim)
-    g = kda_gate(x["raw_g"][span].float() + bias, x["a_log"], LOWER_BOUND)
+    tokens = x["q"][span].shape[0]
+    mixed = torch.cat([x[n][span].reshape(tokens, -1) for n in "qkv"], dim=-1)
+    q, k, v, g = delta_rule_inputs(
+        mixed.float(), x["raw_g"][span].reshape(tokens, -1), x["dt_bias"],
+        x["a_log"], LOWER_BOUND,
+    )  # fmt: skip
     beta = torch.sigmoid(x["raw_beta"][span].float())
-    return kda_recurrence(q, k, x["v"][span].float(), g, beta, state)
+    return kda_recurrence(q, k, v, g, beta, state)
 
 
 def _gap(got, want) -> float:

@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import torch
 
-from k3_triton_kernels.kda.naive import kda_gate, kda_step, l2_normalize
+from k3_triton_kernels.kda.naive import delta_rule_inputs, kda_step
 
 
-def _prepared(q, k, raw_g, raw_beta, A_log, bias, lower_bound):
-    """Token-major fp32 ``(q̂, k̂, g, β)`` of the delta rule."""
-    heads, dim = A_log.shape[0], q.shape[-1]
-    g = kda_gate(raw_g[0].float() + bias.float().view(heads, dim), A_log, lower_bound)
-    return (
-        l2_normalize(q[0].float()) / dim**0.5,
-        l2_normalize(k[0].float()),
-        g,
-        torch.sigmoid(raw_beta[0].float()),
+def _prepared(q, k, v, raw_g, raw_beta, A_log, bias, lower_bound):
+    """Token-major fp32 ``(q̂, k̂, g, β)`` of the delta rule, as the layer's
+    PyTorch path makes them (``naive.delta_rule_inputs``)."""
+    tokens = q.shape[1]
+    mixed = torch.cat([x[0].reshape(tokens, -1) for x in (q, k, v)], dim=-1)
+    q_hat, k_hat, _, g = delta_rule_inputs(
+        mixed.float(), raw_g[0].reshape(tokens, -1), bias, A_log, lower_bound
     )
+    return q_hat, k_hat, g, torch.sigmoid(raw_beta[0].float())
 
 
 def chunk_kda_with_fused_gate(
@@ -44,7 +43,9 @@ def chunk_kda_with_fused_gate(
     """Each sequence from its ``initial_state[n]`` ``[H, V, K]``; returns ``(o,
     final states [N, H, V, K])`` (``None`` without ``output_final_state``)."""
     assert use_qk_l2norm_in_kernel, "vLLM's K3 layer normalizes q and k in the kernel"
-    q_hat, k_hat, g, beta = _prepared(q, k, raw_g, raw_beta, A_log, g_bias, lower_bound)
+    q_hat, k_hat, g, beta = _prepared(
+        q, k, v, raw_g, raw_beta, A_log, g_bias, lower_bound
+    )
     bounds = cu_seqlens.tolist()
     out = torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
     finals = []
@@ -70,7 +71,7 @@ def fused_recurrent_kda(
     assert A_log.is_contiguous() and dt_bias.is_contiguous()
     assert out is None or out.shape == v.shape
     q_hat, k_hat, g, beta = _prepared(
-        q, k, raw_g, raw_beta, A_log, dt_bias, lower_bound
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound
     )
     indices = ssm_state_indices
     if indices.dim() == 1:
