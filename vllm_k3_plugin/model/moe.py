@@ -172,9 +172,16 @@ class Router(nn.Module):
 class LatentMoe(nn.Module):
     """``block_sparse_moe``: sigmoid router with a selection-only correction bias,
     top-k renormalized; routed path ``up(norm(Σ w_e · expert_e(down(x))))`` on the
-    latent; plus the shared experts on ``x``."""
+    latent; plus the shared experts on ``x``. ``redundant_experts``: ``None``
+    unless vLLM balances the experts (``expert_balance``)."""
 
-    def __init__(self, config, prefix: str, backend: str = "torch") -> None:
+    def __init__(
+        self,
+        config,
+        prefix: str,
+        backend: str = "torch",
+        redundant_experts: int | None = None,
+    ) -> None:
         super().__init__()
         hidden, latent = config.hidden_size, config.routed_expert_hidden_size
         inner = config.moe_intermediate_size
@@ -199,6 +206,12 @@ class LatentMoe(nn.Module):
         )
         local_inner = inner // tp_size
         self.on_vllm_layer = backend == "auto"
+        if redundant_experts is not None and not self.on_vllm_layer:
+            raise ValueError(
+                f"{prefix}: --enable-eplb balances the routed experts of vLLM's "
+                f"FusedMoE (VLLM_K3_MOE=auto), not the {backend} path "
+                f"({moe_setting()}) on {current_platform.device_type}"
+            )
         self.graph_blocker = None
         if self.on_vllm_layer:
             self.use_kernels = False
@@ -207,6 +220,7 @@ class LatentMoe(nn.Module):
                 prefix=f"{prefix}.experts",
                 quant_config=get_current_vllm_config().quant_config,
                 router_bias=self.gate.e_score_correction_bias,
+                redundant_experts=redundant_experts,
             )
         else:
             self._own_experts(prefix, backend, local_inner, latent, config.num_experts)

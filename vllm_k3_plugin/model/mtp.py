@@ -73,7 +73,14 @@ class MtpLayer(DecoderLayer):
                 f"{prefix}: the config lists MTP draft layer {layer + 1} as a KDA "
                 "layer; vLLM's Kimi-K3 MTP drafts with MLA layers only"
             )
-        super().__init__(config, vllm_config, layer, prefix, attention_residuals=False)
+        super().__init__(
+            config,
+            vllm_config,
+            layer,
+            prefix,
+            attention_residuals=False,
+            load_balanced=False,
+        )
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(hidden, eps=eps)
         self.hnorm = RMSNorm(hidden, eps=eps)
