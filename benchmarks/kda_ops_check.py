@@ -1,6 +1,6 @@
 """What vLLM's in-tree K3 KDA ops compute, against the project's KDA reference, on a
-GPU: the question to answer before ``VLLM_K3_KDA=auto`` can run the class's KDA
-layers on them.
+GPU: whether ``VLLM_K3_KDA=auto`` (the GPU default) runs the class's KDA layers
+right on them.
 
     benchmarks/gpu_check.sh kda                      # on the GPU, one TP8 rank
     python benchmarks/kda_ops_check.py --smoke       # on the CPU: the plumbing only

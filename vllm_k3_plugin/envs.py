@@ -50,10 +50,8 @@ def kernels(on_gpu: bool) -> str:
     own setting is unset: ``k3_triton_kernels``' MLA decode, latent MoE and KDA) or
     ``pytorch`` (their PyTorch paths; MLA on GPUs: vLLM's backend).
 
-    Unset, each block takes its own default (``moe``, ``mla``, ``kda``); this
-    function then answers for the KDA layers: ``triton`` on GPUs and ``pytorch``
-    on the CPU, where Triton runs only under ``TRITON_INTERPRET=1`` (slow; for
-    tests)."""
+    Unset, each block takes its own default (``moe``, ``mla``, ``kda``); on the
+    CPU Triton runs only under ``TRITON_INTERPRET=1`` (slow; for tests)."""
     default = "triton" if on_gpu else "pytorch"
     return _choice(KERNELS_ENV, default, KERNELS_CHOICES, "a kernels")
 
@@ -111,11 +109,13 @@ def kda(on_gpu: bool) -> str:
     """``VLLM_K3_KDA``: the KDA layers' delta rule on ``auto`` (vLLM's in-tree K3
     KDA ops, GPUs only; the project's kernels where the installed vLLM has none),
     ``triton`` (``k3_triton_kernels.kda``: chunk terms and state pass for
-    prefills, the fused decode step) or ``torch`` (their PyTorch paths). Unset, it
-    follows ``VLLM_K3_KERNELS`` (``triton`` on CUDA and ROCm, else ``torch``): ``auto``
-    is not the default until a GPU has checked vLLM's ops against ours
-    (``benchmarks/kda_ops_check.py``)."""
-    default = "triton" if kernels(on_gpu) == "triton" else "torch"
+    prefills, the fused decode step) or ``torch`` (their PyTorch paths). Unset:
+    ``auto`` on CUDA and ROCm, ``torch`` elsewhere; with ``VLLM_K3_KERNELS`` set,
+    ``triton`` for ``triton`` and ``torch`` for ``pytorch``."""
+    if _kernels_set():
+        default = "triton" if kernels(on_gpu) == "triton" else "torch"
+    else:
+        default = "auto" if on_gpu else "torch"
     return _choice(KDA_ENV, default, KDA_CHOICES, "a KDA")
 
 

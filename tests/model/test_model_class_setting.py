@@ -61,9 +61,9 @@ def test_cuda_graphs_are_refused_at_load_only_where_a_layer_reads_the_host(mode)
 
 def test_each_block_defaults_to_vllms_layer_where_it_has_one(monkeypatch):
     """Unset: the MoE on vLLM's FusedMoE everywhere, MLA on vLLM's backend off the
-    CPU, KDA on our kernels on GPUs (``auto`` waits for a GPU check) and PyTorch on
-    the CPU. ``VLLM_K3_KERNELS`` set: every unset block follows it, but no PyTorch
-    MoE or MLA off the CPU (vLLM's layers there)."""
+    CPU, KDA on vLLM's ops on GPUs and PyTorch on the CPU. ``VLLM_K3_KERNELS`` set:
+    every unset block follows it, but no PyTorch MoE or MLA off the CPU (vLLM's
+    layers there)."""
     from vllm_k3_plugin.envs import (
         KDA_ENV,
         KERNELS_ENV,
@@ -82,7 +82,7 @@ def test_each_block_defaults_to_vllms_layer_where_it_has_one(monkeypatch):
     def blocks(on_gpu: bool) -> tuple[str, str, str]:
         return moe(on_gpu, not on_gpu), mla(on_gpu, not on_gpu), kda(on_gpu)
 
-    assert blocks(on_gpu=True) == ("auto", "auto", "triton")
+    assert blocks(on_gpu=True) == ("auto", "auto", "auto")
     assert blocks(on_gpu=False) == ("auto", "torch", "torch")
     assert setting_source(MOE_ENV, "auto", True) == "VLLM_K3_MOE=auto, its default here"
     assert (
