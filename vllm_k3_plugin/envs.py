@@ -45,26 +45,22 @@ KERNELS_ENV = "VLLM_K3_KERNELS"
 KERNELS_CHOICES = ("triton", "pytorch")
 
 
-def kernels(on_gpu: bool) -> str:
+def kernels() -> str | None:
     """``VLLM_K3_KERNELS``: ``triton`` (the project's kernels for every block whose
-    own setting is unset: ``k3_triton_kernels``' MLA decode, latent MoE and KDA) or
-    ``pytorch`` (their PyTorch paths; MLA on GPUs: vLLM's backend).
-
-    Unset, each block takes its own default (``moe``, ``mla``, ``kda``); on the
+    own setting is unset: ``k3_triton_kernels``' MLA decode, latent MoE and KDA),
+    ``pytorch`` (their PyTorch paths; MLA on GPUs: vLLM's backend) or, unset,
+    ``None``: each block takes its own default (``moe``, ``mla``, ``kda``). On the
     CPU Triton runs only under ``TRITON_INTERPRET=1`` (slow; for tests)."""
-    default = "triton" if on_gpu else "pytorch"
-    return _choice(KERNELS_ENV, default, KERNELS_CHOICES, "a kernels")
-
-
-def _kernels_set() -> bool:
-    return KERNELS_ENV in os.environ
+    if KERNELS_ENV not in os.environ:
+        return None
+    return _choice(KERNELS_ENV, "", KERNELS_CHOICES, "a kernels")
 
 
 MOE_ENV = "VLLM_K3_MOE"
 MOE_CHOICES = ("auto", "triton", "torch")
 
 
-def moe(on_gpu: bool, on_cpu: bool) -> str:
+def moe(on_cpu: bool) -> str:
     """``VLLM_K3_MOE``: the routed experts on ``auto`` (vLLM's ``FusedMoE`` layer:
     its router, expert parallelism and the experts kernel and quantization method
     vLLM picks; PyTorch experts inside it on the CPU), ``triton``
@@ -73,11 +69,10 @@ def moe(on_gpu: bool, on_cpu: bool) -> str:
     ``VLLM_K3_KERNELS`` set, ``triton`` for ``triton`` and, for ``pytorch``,
     ``torch`` on the CPU and ``auto`` elsewhere."""
     default = "auto"
-    if _kernels_set():
-        if kernels(on_gpu) == "triton":
-            default = "triton"
-        elif on_cpu:
-            default = "torch"
+    if kernels() == "triton":
+        default = "triton"
+    elif kernels() == "pytorch" and on_cpu:
+        default = "torch"
     return _choice(MOE_ENV, default, MOE_CHOICES, "an MoE")
 
 
@@ -85,7 +80,7 @@ MLA_ENV = "VLLM_K3_MLA"
 MLA_CHOICES = ("auto", "triton", "torch")
 
 
-def mla(on_gpu: bool, on_cpu: bool) -> str:
+def mla(on_cpu: bool) -> str:
     """``VLLM_K3_MLA``: the MLA layers' attention backend: ``auto`` (the one vLLM
     selects for the platform), ``triton`` (vLLM's MLA metadata and prefill with
     ``k3_triton_kernels.mla.decode``: ``K3_TRITON_MLA`` on CUDA and ROCm,
@@ -96,7 +91,7 @@ def mla(on_gpu: bool, on_cpu: bool) -> str:
     and bf16 weights); with ``VLLM_K3_KERNELS`` set, ``triton`` for ``triton``,
     and the unset defaults for ``pytorch``."""
     default = "torch" if on_cpu else "auto"
-    if _kernels_set() and kernels(on_gpu) == "triton":
+    if kernels() == "triton":
         default = "triton"
     return _choice(MLA_ENV, default, MLA_CHOICES, "an MLA")
 
@@ -112,20 +107,19 @@ def kda(on_gpu: bool) -> str:
     prefills, the fused decode step) or ``torch`` (their PyTorch paths). Unset:
     ``auto`` on CUDA and ROCm, ``torch`` elsewhere; with ``VLLM_K3_KERNELS`` set,
     ``triton`` for ``triton`` and ``torch`` for ``pytorch``."""
-    if _kernels_set():
-        default = "triton" if kernels(on_gpu) == "triton" else "torch"
-    else:
-        default = "auto" if on_gpu else "torch"
+    default = {"triton": "triton", "pytorch": "torch"}.get(
+        kernels(), "auto" if on_gpu else "torch"
+    )
     return _choice(KDA_ENV, default, KDA_CHOICES, "a KDA")
 
 
-def setting_source(env: str, value: str, on_gpu: bool) -> str:
+def setting_source(env: str, value: str) -> str:
     """The setting that chose ``value`` for ``env``, as a log line names it: the
     variable itself, ``VLLM_K3_KERNELS`` where that chose, else the default."""
     if env in os.environ:
         return f"{env}={value}"
-    if _kernels_set():
-        return f"{KERNELS_ENV}={kernels(on_gpu)}"
+    if kernels() is not None:
+        return f"{KERNELS_ENV}={kernels()}"
     return f"{env}={value}, its default here"
 
 

@@ -67,9 +67,9 @@ def register_all() -> None:
     from vllm.platforms import current_platform
 
     models = model_class(on_cpu=current_platform.is_cpu())
-    kernels(on_gpu=current_platform.is_cuda_alike())
-    moe(on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu())
-    mla(on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu())
+    kernels()
+    moe(on_cpu=current_platform.is_cpu())
+    mla(on_cpu=current_platform.is_cpu())
     kda(on_gpu=current_platform.is_cuda_alike())
     metrics()
     _register_reasoning_parser()

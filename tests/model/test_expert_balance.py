@@ -7,7 +7,11 @@ the model class is built on one rank with the config's EPLB switched on after th
 check, and vLLM's ``EplbState`` does the rest as its GPU runner does: registers the
 model (``add_model``), counts each physical expert's tokens through the routers,
 computes a new placement with its policy and moves the experts in place
-(``rearrange_expert_weights_inplace`` over a one-rank gloo group).
+(``rearrange_expert_weights_inplace`` over a one-rank gloo group: every expert is
+local, so the move is a permutation of this rank's rows and nothing crosses ranks:
+the transfer between ranks is vLLM's and not exercised here; the loader's expert
+ids across ranks are, without redundant experts, by the served TP=2 expert
+parallel test).
 
 Two parts are stood in. vLLM times a rearrangement with device events, which the
 CPU backend does not have: a host clock stands in. And vLLM maps logical to
@@ -164,16 +168,39 @@ def test_the_model_is_vllms_mixture_of_experts_with_redundant_experts(
 
 
 def test_the_drafters_layers_are_not_balanced(balanced_config, weights):
+    """vLLM balances a drafter only if it is a ``MixtureOfExperts``; ours is not,
+    so its routers must have no EPLB state (vLLM would refuse to route)."""
     from vllm.config import set_current_vllm_config
 
-    from vllm_k3_plugin.model.model import DecoderLayer
+    from vllm_k3_plugin.model.mtp import MtpLayer
 
     text = balanced_config.model_config.hf_text_config
+    balanced_config.compilation_config.static_forward_context.clear()
     with set_current_vllm_config(balanced_config), _kernels("pytorch", moe="auto"):
-        layer = DecoderLayer(
-            text, balanced_config, 2, "mtp.layers.2", load_balanced=False
-        )
-    assert layer.block_sparse_moe.experts.routed_experts.global_num_experts == 8
+        layer = MtpLayer(text, balanced_config, 2, "model.layers.2")
+    runner = layer.block_sparse_moe.experts
+    assert runner.routed_experts.global_num_experts == 8
+    assert runner.eplb_state is None
+
+
+def test_a_pipeline_stage_without_moe_layers_is_refused(balanced_config):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
+
+    text = balanced_config.model_config.hf_text_config
+    dense = text.first_k_dense_replace
+    text.first_k_dense_replace = text.num_hidden_layers
+    balanced_config.compilation_config.static_forward_context.clear()
+    try:
+        with (
+            set_current_vllm_config(balanced_config),
+            _kernels("pytorch", moe="auto"),
+            pytest.raises(ValueError, match=r"layers 0 to 5\) holds no MoE layer"),
+        ):
+            KimiK3ForConditionalGeneration(vllm_config=balanced_config)
+    finally:
+        text.first_k_dense_replace = dense
 
 
 def test_balancing_is_refused_off_vllms_layer(balanced_config):
@@ -202,8 +229,9 @@ def test_vllms_eplb_rearranges_the_experts_and_the_outputs_stay(
 ):
     """vLLM's EPLB over the model: the outputs of every MoE layer equal the
     unbalanced model's before and after vLLM moves the experts; the load is
-    counted per physical expert; the rearrangement moved weights (a replica of the
-    hottest expert, not the initial placement)."""
+    counted per physical expert (redundant copies included); the new placement
+    differs from the initial one and gives each layer's hottest expert the most
+    copies."""
     from vllm.distributed.eplb.eplb_state import EplbState
     from vllm.model_executor.layers.fused_moe.router import base_router
 
@@ -235,11 +263,22 @@ def test_vllms_eplb_rearranges_the_experts_and_the_outputs_stay(
         )
     load = model_state.expert_load_pass
     assert int(load.sum()) == 5 * 16 * model.language_model.config.num_experts_per_token
+    # Counted per physical expert: the redundant copies took their share.
+    assert int(load[:, 8:].sum()) > 0
 
     model_state.expert_load_window[:] = load
     state.rearrange()
     moved = model_state.physical_to_logical_map
     assert not torch.equal(moved, initial)
+    # Each layer's hottest logical expert now has the most copies.
+    logical_load = torch.zeros(5, 8, dtype=torch.long).index_add_(
+        1, torch.arange(12) % 8, load.long()
+    )
+    copies = torch.stack([torch.bincount(row, minlength=8) for row in moved])
+    hottest = logical_load.argmax(dim=1)
+    assert torch.equal(
+        copies.gather(1, hottest[:, None])[:, 0], copies.max(dim=1).values
+    )
     for got, expected in zip(
         _outputs(model, balanced_config, inputs), want, strict=True
     ):

@@ -80,29 +80,27 @@ def test_each_block_defaults_to_vllms_layer_where_it_has_one(monkeypatch):
         monkeypatch.delenv(env, raising=False)
 
     def blocks(on_gpu: bool) -> tuple[str, str, str]:
-        return moe(on_gpu, not on_gpu), mla(on_gpu, not on_gpu), kda(on_gpu)
+        return moe(not on_gpu), mla(not on_gpu), kda(on_gpu)
 
     assert blocks(on_gpu=True) == ("auto", "auto", "auto")
     assert blocks(on_gpu=False) == ("auto", "torch", "torch")
-    assert setting_source(MOE_ENV, "auto", True) == "VLLM_K3_MOE=auto, its default here"
-    assert (
-        setting_source(KDA_ENV, "torch", False) == "VLLM_K3_KDA=torch, its default here"
-    )
+    assert setting_source(MOE_ENV, "auto") == "VLLM_K3_MOE=auto, its default here"
+    assert setting_source(KDA_ENV, "torch") == "VLLM_K3_KDA=torch, its default here"
     monkeypatch.setenv(KERNELS_ENV, " PyTorch ")
-    assert kernels(on_gpu=True) == "pytorch"
+    assert kernels() == "pytorch"
     assert blocks(on_gpu=True) == ("auto", "auto", "torch")
     assert blocks(on_gpu=False) == ("torch", "torch", "torch")
-    assert setting_source(MOE_ENV, "torch", False) == "VLLM_K3_KERNELS=pytorch"
+    assert setting_source(MOE_ENV, "torch") == "VLLM_K3_KERNELS=pytorch"
     monkeypatch.setenv(KERNELS_ENV, "triton")
     assert blocks(on_gpu=False) == ("triton", "triton", "triton")
     monkeypatch.setenv(MOE_ENV, " Auto ")
     monkeypatch.setenv(KDA_ENV, "torch")
     assert blocks(on_gpu=True) == ("auto", "triton", "torch")
-    assert setting_source(KDA_ENV, "torch", True) == "VLLM_K3_KDA=torch"
+    assert setting_source(KDA_ENV, "torch") == "VLLM_K3_KDA=torch"
     for env, value, choices, read in (
-        (MOE_ENV, "fused", "auto, triton, torch", lambda: moe(True, False)),
+        (MOE_ENV, "fused", "auto, triton, torch", lambda: moe(on_cpu=False)),
         (KDA_ENV, "fla", "auto, triton, torch", lambda: kda(True)),
-        (KERNELS_ENV, "cuda", "triton, pytorch", lambda: kernels(True)),
+        (KERNELS_ENV, "cuda", "triton, pytorch", kernels),
     ):
         monkeypatch.setenv(env, value)
         with pytest.raises(ValueError, match=f"{env}='{value}' .*{choices}"):
@@ -123,14 +121,9 @@ def test_the_mla_setting_picks_the_backend_and_refuses_torch_on_gpus(monkeypatch
 
     monkeypatch.delenv(MLA_ENV, raising=False)
     monkeypatch.setenv(KERNELS_ENV, "pytorch")
-    cpu, gpu, other = (
-        {"on_gpu": False, "on_cpu": True},
-        {"on_gpu": True, "on_cpu": False},
-        {"on_gpu": False, "on_cpu": False},
-    )
-    assert (mla(**cpu), mla(**gpu), mla(**other)) == ("torch", "auto", "auto")
+    assert (mla(on_cpu=True), mla(on_cpu=False)) == ("torch", "auto")
     monkeypatch.setenv(KERNELS_ENV, "triton")
-    assert (mla(**cpu), mla(**gpu)) == ("triton", "triton")
+    assert (mla(on_cpu=True), mla(on_cpu=False)) == ("triton", "triton")
     assert mla_backend_for_platform("auto") is None
     assert mla_backend_for_platform("torch") is K3CpuMlaBackend
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
@@ -146,4 +139,4 @@ def test_the_mla_setting_picks_the_backend_and_refuses_torch_on_gpus(monkeypatch
         mla_backend_for_platform("triton")
     monkeypatch.setenv(MLA_ENV, "flash")
     with pytest.raises(ValueError, match="auto, triton, torch"):
-        mla(**gpu)
+        mla(on_cpu=False)

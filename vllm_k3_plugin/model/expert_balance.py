@@ -8,7 +8,7 @@ layer's expert parameters, one row an expert) and updates the logical-to-physica
 map the routers read. The layers are vLLM's ``FusedMoE`` runners
 (``VLLM_K3_MOE=auto``), built with ``--eplb-config '{"num_redundant_experts": R}'``
 spare physical experts; the loader fills each physical expert with the logical one
-vLLM's initial placement gives it (``fused_moe.initial_placement``).
+vLLM's initial placement gives it (``fused_moe.initial_slots``).
 
 vLLM accepts ``--enable-eplb`` on CUDA, ROCm and XPU only (``config/parallel.py``),
 with expert parallelism over more than one rank. The MTP draft layers are not
@@ -43,8 +43,8 @@ class K3MixtureOfExperts(MixtureOfExperts):
         self.num_routed_experts = config.num_experts
         self.num_shared_experts = config.num_shared_experts
         experts = runners[0].routed_experts if runners else None
-        physical = experts.global_num_experts if experts else config.num_experts
-        local = experts.local_num_experts if experts else physical
+        physical = config.num_experts if experts is None else experts.global_num_experts
+        local = physical if experts is None else experts.local_num_experts
         self._set_physical_counts(physical, local)
 
     def update_physical_experts_metadata(
@@ -60,3 +60,16 @@ class K3MixtureOfExperts(MixtureOfExperts):
         self.num_physical_experts = physical
         self.num_local_physical_experts = local
         self.num_redundant_experts = physical - self.num_logical_experts
+
+
+class FromLanguageModel:
+    """A ``MixtureOfExperts`` attribute of a wrapper, read from its
+    ``language_model``."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, wrapper, owner=None):
+        if wrapper is None:
+            return self
+        return getattr(wrapper.language_model, self.name)

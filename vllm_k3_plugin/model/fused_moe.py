@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-from vllm.distributed.eplb.eplb_state import EplbState
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -206,7 +205,7 @@ def load_fused_expert(runner, name: str, expert: int, proj: str, packed, scale):
     ``scale``) into vLLM's expert parameters through vLLM's expert loader (which
     slices for tensor parallelism and skips another rank's experts), into every
     physical expert that holds logical ``expert`` (more than one under EPLB with
-    redundant experts, placed as vLLM's EPLB places them at start). The
+    redundant experts: ``initial_slots``). The
     parameters' names follow the quantization method vLLM chose, as vLLM's in-tree
     K3 loader maps them: packed MXFP4 kept (``w13_weight_packed``, or
     ``w13_weight`` beside ``w13_weight_scale``), else decoded to the parameter's
@@ -231,29 +230,24 @@ def load_fused_expert(runner, name: str, expert: int, proj: str, packed, scale):
             f"experts, whose {packed_name} is {weight.dtype}, not the checkpoint's "
             "MXFP4 bytes"
         )
-    physical = initial_placement(experts)
+    slots = initial_slots(experts, expert)
     for param_name, tensor in tensors.items():
         param = params[param_name]
         # A method's own loader where it has one (MXFP4 scales are re-encoded).
         loader = getattr(param, "weight_loader", experts.weight_loader)
-        for slot in physical[expert]:
+        for slot in slots:
             loader(param, tensor, param_name, shard_id=proj, expert_id=slot)
     prefix = f"{name}.{runner_path(runner, experts)}"
     return [f"{prefix}.{param_name}" for param_name in tensors]
 
 
-def initial_placement(experts) -> list[list[int]]:
-    """The physical experts of each logical expert, as vLLM's EPLB places them
-    before its first rearrangement (the logical experts, then the redundant ones
-    round-robin)."""
+def initial_slots(experts, expert: int) -> list[int]:
+    """The physical experts that hold logical ``expert`` before vLLM's EPLB first
+    rearranges them, as ``EplbState.build_initial_global_physical_to_logical_map``
+    places them: the logical experts in order, then the redundant ones
+    round-robin (``test_fused_moe_loader`` holds this to vLLM's expert mapping)."""
     logical = experts.moe_config.num_logical_experts
-    redundant = experts.global_num_experts - logical
-    slots: list[list[int]] = [[] for _ in range(logical)]
-    for slot, expert in enumerate(
-        EplbState.build_initial_global_physical_to_logical_map(logical, redundant)
-    ):
-        slots[expert].append(slot)
-    return slots
+    return [expert, *range(logical + expert, experts.global_num_experts, logical)]
 
 
 def runner_path(runner, experts) -> str:

@@ -23,28 +23,24 @@ def kda_backend() -> str:
 
 def kda_setting() -> str:
     """The setting that chose the KDA backend, as a log line names it."""
-    return setting_source(KDA_ENV, kda_backend(), current_platform.is_cuda_alike())
+    return setting_source(KDA_ENV, kda_backend())
 
 
 def moe_backend() -> str:
     """``auto``, ``triton`` or ``torch`` (``envs.moe``)."""
-    return moe(
-        on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu()
-    )
+    return moe(on_cpu=current_platform.is_cpu())
 
 
 def mla_backend() -> str:
     """``auto``, ``triton`` or ``torch`` (``envs.mla``)."""
-    return mla(
-        on_gpu=current_platform.is_cuda_alike(), on_cpu=current_platform.is_cpu()
-    )
+    return mla(on_cpu=current_platform.is_cpu())
 
 
 def moe_setting() -> str:
     """The setting that chose the MoE backend, as a log line names it."""
-    return setting_source(MOE_ENV, moe_backend(), current_platform.is_cuda_alike())
+    return setting_source(MOE_ENV, moe_backend())
 
 
 def mla_setting() -> str:
     """The setting that chose the MLA backend, as a log line names it."""
-    return setting_source(MLA_ENV, mla_backend(), current_platform.is_cuda_alike())
+    return setting_source(MLA_ENV, mla_backend())

@@ -37,7 +37,12 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsPP
+from vllm.model_executor.models.interfaces import (
+    HasInnerState,
+    IsHybrid,
+    MixtureOfExperts,
+    SupportsPP,
+)
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     is_pp_missing_parameter,
@@ -47,7 +52,11 @@ from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from vllm_k3_plugin.model import cpu_pipeline
-from vllm_k3_plugin.model.expert_balance import K3MixtureOfExperts, redundant_experts
+from vllm_k3_plugin.model.expert_balance import (
+    FromLanguageModel,
+    K3MixtureOfExperts,
+    redundant_experts,
+)
 from vllm_k3_plugin.model.kda import (
     KdaAttention,
     kda_state_dtypes,
@@ -271,6 +280,14 @@ class KimiK3ForCausalLM(
         _note_quantization(vllm_config)
         check_cuda_graphs(vllm_config, self, on_gpu=current_platform.is_cuda_alike())
         self._count_experts(config, self.model.fused_moe_runners())
+        if redundant_experts(vllm_config) is not None and not self.num_moe_layers:
+            # vLLM's EPLB steps every stage and fails on one without MoE layers.
+            raise ValueError(
+                f"--enable-eplb: this pipeline stage (layers {self.model.start_layer}"
+                f" to {self.model.end_layer - 1}) holds no MoE layer, and vLLM's "
+                "expert load balancing needs one on every stage; split the layers "
+                "otherwise or leave EPLB off"
+            )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -402,7 +419,7 @@ def load_k3_tensors(
 
 
 class KimiK3ForConditionalGeneration(
-    nn.Module, HasInnerState, IsHybrid, SupportsPP, K3MixtureOfExperts
+    nn.Module, HasInnerState, IsHybrid, SupportsPP, MixtureOfExperts
 ):
     """The published checkpoint: ``kimi_k3`` config, text model under
     ``language_model.``. Only the text path is served; vision inputs are not
@@ -418,7 +435,7 @@ class KimiK3ForConditionalGeneration(
         self.make_empty_intermediate_tensors = (
             self.language_model.make_empty_intermediate_tensors
         )
-        self._count_experts(self.language_model.config, self.language_model.moe_layers)
+        self.expert_weights = []
 
     # vLLM's drafters read a text-only target's embedding and LM head as
     # ``target.model.embed_tokens`` and ``target.lm_head``.
@@ -433,13 +450,24 @@ class KimiK3ForConditionalGeneration(
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
 
+    # vLLM's EPLB takes this wrapper for the MixtureOfExperts (it unwraps only a
+    # SupportsMultiModal model): the text model's MoE counts, read through.
+    moe_layers = FromLanguageModel()
+    num_moe_layers = FromLanguageModel()
+    num_expert_groups = FromLanguageModel()
+    num_logical_experts = FromLanguageModel()
+    num_physical_experts = FromLanguageModel()
+    num_local_physical_experts = FromLanguageModel()
+    num_routed_experts = FromLanguageModel()
+    num_shared_experts = FromLanguageModel()
+    num_redundant_experts = FromLanguageModel()
+
     def update_physical_experts_metadata(
         self, num_physical_experts: int, num_local_physical_experts: int
     ) -> None:
         self.language_model.update_physical_experts_metadata(
             num_physical_experts, num_local_physical_experts
         )
-        self._set_physical_counts(num_physical_experts, num_local_physical_experts)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, **kwargs):
         return self.language_model(input_ids, positions, intermediate_tensors, **kwargs)
