@@ -40,10 +40,18 @@ def experts_line(rank: int, line: str) -> str:
     return rf"\(Worker_TP{rank}\S* pid=\d+\) .*" + re.escape(line)
 
 
-ONE_RANK = "8 of 8 experts on this rank (expert parallel: False, ep_size=1, tp_size=1)"
-SLICED = "8 of 8 experts on this rank (expert parallel: False, ep_size=1, tp_size=2)"
+UNBALANCED = "; load balancing: off)"
+ONE_RANK = (
+    "8 of 8 experts on this rank (expert parallel: False, ep_size=1, tp_size=1"
+    + UNBALANCED
+)
+SLICED = (
+    "8 of 8 experts on this rank (expert parallel: False, ep_size=1, tp_size=2"
+    + UNBALANCED
+)
 PARTITIONED = (
-    "4 of 8 experts on this rank (expert parallel: True, ep_size=2, tp_size=1)"
+    "4 of 8 experts on this rank (expert parallel: True, ep_size=2, tp_size=1"
+    + UNBALANCED
 )
 # The flags, the settings, and what the log shows of each rank (with the FusedMoE
 # layer: each rank holds every expert, sliced, or half of them, whole).
