@@ -157,6 +157,9 @@ def test_the_model_is_vllms_mixture_of_experts_with_redundant_experts(
     assert model.num_physical_experts == 8 + REDUNDANT
     assert model.num_local_physical_experts == 8 + REDUNDANT
     assert model.num_redundant_experts == REDUNDANT
+    # One copy of each count: the wrapper's are the text model's.
+    model.num_redundant_experts = 0
+    assert model.language_model.num_redundant_experts == 0
     # Each redundant physical expert holds the logical one vLLM places there first.
     for layer in layers:
         params = dict(layer.experts.routed_experts.named_parameters())

@@ -273,7 +273,8 @@ def test_with_redundant_experts_every_replica_loads_where_vllms_mapping_puts_it(
 
 
 def test_vllm_refuses_load_balancing_on_compressed_tensors_mxfp4(quantized_config):
-    """vLLM's own refusal: its compressed-tensors MXFP4 method has no EPLB."""
+    """vLLM's own refusal: its compressed-tensors MXFP4 method balances experts
+    only on FlashInfer's MoE-EP backends, not on the backend stood in here."""
     with (
         _load_balanced(quantized_config),
         pytest.raises(NotImplementedError, match="EPLB is not supported"),

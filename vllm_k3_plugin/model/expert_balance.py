@@ -63,8 +63,8 @@ class K3MixtureOfExperts(MixtureOfExperts):
 
 
 class FromLanguageModel:
-    """A ``MixtureOfExperts`` attribute of a wrapper, read from its
-    ``language_model``."""
+    """A ``MixtureOfExperts`` attribute of a wrapper, read from and written to its
+    ``language_model`` (one copy of each count)."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -73,3 +73,6 @@ class FromLanguageModel:
         if wrapper is None:
             return self
         return getattr(wrapper.language_model, self.name)
+
+    def __set__(self, wrapper, value) -> None:
+        setattr(wrapper.language_model, self.name, value)
