@@ -68,10 +68,11 @@ def moe(on_cpu: bool) -> str:
     experts decoded on load: the CPU only). Unset: ``auto``; with
     ``VLLM_K3_KERNELS`` set, ``triton`` for ``triton`` and, for ``pytorch``,
     ``torch`` on the CPU and ``auto`` elsewhere."""
+    chosen = kernels()
     default = "auto"
-    if kernels() == "triton":
+    if chosen == "triton":
         default = "triton"
-    elif kernels() == "pytorch" and on_cpu:
+    elif chosen == "pytorch" and on_cpu:
         default = "torch"
     return _choice(MOE_ENV, default, MOE_CHOICES, "an MoE")
 
@@ -118,8 +119,9 @@ def setting_source(env: str, value: str) -> str:
     variable itself, ``VLLM_K3_KERNELS`` where that chose, else the default."""
     if env in os.environ:
         return f"{env}={value}"
-    if kernels() is not None:
-        return f"{KERNELS_ENV}={kernels()}"
+    chosen = kernels()
+    if chosen is not None:
+        return f"{KERNELS_ENV}={chosen}"
     return f"{env}={value}, its default here"
 
 
