@@ -30,7 +30,7 @@ import time
 import pytest
 import torch
 
-from tests.model.test_vllm_model_layers import _kernels, engine_config
+from tests.support.in_process import engine_config, kernel_settings
 from tests.support.one_rank import one_rank
 from tests.support.tensors import assert_close
 
@@ -115,7 +115,7 @@ def _built(config, weights, balanced: bool = True):
     parallel.enable_eplb = balanced
     parallel.eplb_config.num_redundant_experts = REDUNDANT if balanced else 0
     try:
-        with set_current_vllm_config(config), _kernels("pytorch", moe="auto"):
+        with set_current_vllm_config(config), kernel_settings("pytorch", moe="auto"):
             model = KimiK3ForConditionalGeneration(vllm_config=config)
             model.load_weights(weights.items())
             process_weights_after_loading(
@@ -179,7 +179,10 @@ def test_the_drafters_layers_are_not_balanced(balanced_config, weights):
 
     text = balanced_config.model_config.hf_text_config
     balanced_config.compilation_config.static_forward_context.clear()
-    with set_current_vllm_config(balanced_config), _kernels("pytorch", moe="auto"):
+    with (
+        set_current_vllm_config(balanced_config),
+        kernel_settings("pytorch", moe="auto"),
+    ):
         layer = MtpLayer(text, balanced_config, 2, "model.layers.2")
     runner = layer.block_sparse_moe.experts
     assert runner.routed_experts.global_num_experts == 8
@@ -198,7 +201,7 @@ def test_a_pipeline_stage_without_moe_layers_is_refused(balanced_config):
     try:
         with (
             set_current_vllm_config(balanced_config),
-            _kernels("pytorch", moe="auto"),
+            kernel_settings("pytorch", moe="auto"),
             pytest.raises(ValueError, match=r"layers 0 to 5\) holds no MoE layer"),
         ):
             KimiK3ForConditionalGeneration(vllm_config=balanced_config)
@@ -214,7 +217,7 @@ def test_balancing_is_refused_off_vllms_layer(balanced_config):
     balanced_config.compilation_config.static_forward_context.clear()
     with (
         set_current_vllm_config(balanced_config),
-        _kernels("pytorch", moe="torch"),
+        kernel_settings("pytorch", moe="torch"),
         pytest.raises(ValueError, match=r"enable-eplb.*VLLM_K3_MOE=auto.*torch path"),
     ):
         KimiK3ForConditionalGeneration(vllm_config=balanced_config)

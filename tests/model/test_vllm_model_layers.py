@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import pytest
 import torch
@@ -15,51 +14,17 @@ from safetensors.torch import load_file
 
 from k3_triton_kernels.moe import naive as moe_reference
 from tests.support.host_reads import no_host_reads
+from tests.support.in_process import engine_config, kernel_settings
 from tests.support.one_rank import one_rank
 from tests.support.tensors import assert_close
-from vllm_k3_plugin.envs import KDA_ENV, KERNELS_ENV, MLA_ENV, MOE_ENV
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import WeightShapeError
-
-
-def engine_config(checkpoint, **extra):
-    """The config ``vllm serve`` builds for the tests' fp32 tiny-K3 server."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=str(checkpoint),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        enable_prefix_caching=False,
-        hf_overrides={"quantization_config": None},
-        **extra,
-    ).create_engine_config()
 
 
 @pytest.fixture(scope="module")
 def vllm_config(tiny_k3_checkpoint):
     with one_rank(engine_config(tiny_k3_checkpoint)) as config:
         yield config
-
-
-@contextlib.contextmanager
-def _kernels(kernels: str, moe: str | None = None, kda: str | None = None):
-    """``VLLM_K3_KERNELS`` (and ``VLLM_K3_MOE`` and ``VLLM_K3_KDA``, unset if
-    ``None``; ``VLLM_K3_MLA`` unset) for the layers built inside."""
-    settings = {KERNELS_ENV: kernels, MOE_ENV: moe, MLA_ENV: None, KDA_ENV: kda}
-    saved = {name: os.environ.get(name) for name in settings}
-    for name, value in settings.items():
-        os.environ.pop(name, None)
-        if value is not None:
-            os.environ[name] = value
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None)
-            if value is not None:
-                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +37,7 @@ def build(vllm_config):
         """``kernels``, ``moe``, ``kda``: the ``VLLM_K3_KERNELS``, ``VLLM_K3_MOE``
         and ``VLLM_K3_KDA`` the layers are built under."""
         vllm_config.compilation_config.static_forward_context.clear()
-        with set_current_vllm_config(vllm_config), _kernels(kernels, moe, kda):
+        with set_current_vllm_config(vllm_config), kernel_settings(kernels, moe, kda):
             return KimiK3ForConditionalGeneration(vllm_config=vllm_config)
 
     return make
@@ -470,7 +435,7 @@ def _spec_kda_layer(checkpoint, weights, kda=None):
         speculative_config={"method": "ngram", "num_speculative_tokens": DRAFTS,
                             "prompt_lookup_max": 3, "prompt_lookup_min": 1},
     )  # fmt: skip
-    with set_current_vllm_config(config), _kernels("pytorch", kda=kda):
+    with set_current_vllm_config(config), kernel_settings("pytorch", kda=kda):
         model = KimiK3ForConditionalGeneration(vllm_config=config)
         model.load_weights(weights.items())
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
@@ -1166,7 +1131,7 @@ def test_the_class_accepts_the_graph_configs_vllm_builds_for_k3(
     built = {}
     for kernels in ("triton", "pytorch"):
         compilation.static_forward_context.clear()
-        with set_current_vllm_config(config), _kernels(kernels):
+        with set_current_vllm_config(config), kernel_settings(kernels):
             built[kernels] = KimiK3ForConditionalGeneration(vllm_config=config)
     check_cuda_graphs(config, built["triton"], on_gpu=True)
     with pytest.raises(
@@ -1474,7 +1439,7 @@ def test_on_a_gpu_no_path_decodes_the_experts(vllm_config, monkeypatch, backend,
     config = type(text).from_dict({**text.to_dict(), "moe_intermediate_size": inner})
     with (
         set_current_vllm_config(vllm_config),
-        _kernels("pytorch", moe=backend),
+        kernel_settings("pytorch", moe=backend),
         pytest.raises(
             ValueError,
             match=r"layers\.1\.block_sparse_moe: .*PyTorch path .*\(cuda\); use "
