@@ -11,8 +11,8 @@
 #   benchmarks/gpu_check.sh questions # there: kda, then graphs, in one call (~8 min)
 #
 # `prepare` copies the vLLM files benchmarks/vllm_baselines.py reads (vLLM's own
-# Triton kernels, run without importing vLLM) from this checkout's .venv into
-# .vllm_src/ (git-ignored), keeping vLLM's layout. The run puts this checkout and
+# Triton kernels, run without importing vLLM) from this checkout's .venv-0.34 (else
+# .venv) into .vllm_src/ (git-ignored), keeping vLLM's layout. The run puts this checkout and
 # triton_kernels/ (the folder holding k3_triton_kernels) on PYTHONPATH (no pip
 # install there), and writes the benchmark table and its JSON (saved after each
 # section) and the test log to $OUT.
@@ -20,14 +20,24 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" == "prepare" ]]; then
-    src=$(.venv/bin/python -c \
+    # The newest tested vLLM's sources where its environment is built.
+    venv=.venv-0.34
+    [[ -x "$venv/bin/python" ]] || venv=.venv
+    src=$("$venv/bin/python" -c \
         "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])")
-    files=$(PYTHONPATH=benchmarks .venv/bin/python -c \
+    files=$(PYTHONPATH=benchmarks "$venv/bin/python" -c \
         "from vllm_baselines import SOURCE_FILES; print(' '.join(SOURCE_FILES))")
-    folders=$(PYTHONPATH=benchmarks .venv/bin/python -c \
+    folders=$(PYTHONPATH=benchmarks "$venv/bin/python" -c \
         "from vllm_baselines import SOURCE_FOLDERS; print(' '.join(SOURCE_FOLDERS))")
     rm -rf .vllm_src
+    optional=$(PYTHONPATH=benchmarks "$venv/bin/python" -c \
+        "from vllm_baselines import OPTIONAL_SOURCE_FILES as f; print(' '.join(f))")
     for f in $files; do
+        mkdir -p ".vllm_src/$(dirname "$f")"
+        cp "$src/$f" ".vllm_src/$f"
+    done
+    for f in $optional; do
+        [[ -f "$src/$f" ]] || continue
         mkdir -p ".vllm_src/$(dirname "$f")"
         cp "$src/$f" ".vllm_src/$f"
     done
@@ -35,7 +45,7 @@ if [[ "${1:-}" == "prepare" ]]; then
         mkdir -p ".vllm_src/$d"
         cp "$src/$d"/*.py ".vllm_src/$d/"
     done
-    echo "copied into .vllm_src: $files $folders"
+    echo "copied into .vllm_src from $src: $files $optional $folders"
     exit 0
 fi
 

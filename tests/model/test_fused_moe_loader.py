@@ -27,6 +27,7 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.support.cpu_without_triton import allow_cpu_without_triton
 from tests.support.one_rank import one_rank
 from vllm_k3_plugin.reference.checkpoint_format import expert_weight_shapes
 
@@ -47,6 +48,7 @@ def quantized_config(tiny_k3_checkpoint):
     checkpoint's form) and the real expert sizes, one rank."""
     from vllm.engine.arg_utils import EngineArgs
 
+    allow_cpu_without_triton()
     config = EngineArgs(
         model=str(tiny_k3_checkpoint),
         dtype="bfloat16",

@@ -6,6 +6,7 @@ model, so it is driven here with the GDN metadata vLLM would build)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from k3_triton_kernels.moe import naive as moe_reference
+from tests.support.cpu_without_triton import allow_cpu_without_triton
 from tests.support.host_reads import no_host_reads
 from tests.support.in_process import engine_config, kernel_settings
 from tests.support.one_rank import one_rank
@@ -1075,6 +1077,7 @@ def gpu_config(monkeypatch, tiny_k3_checkpoint):
     def make(vendor: str, drafts: int):
         monkeypatch.setattr(current_platform, "is_rocm", lambda: vendor == "rocm")
         config_module.default_breakable_cudagraph_architectures.cache_clear()
+        allow_cpu_without_triton()
         config = EngineArgs(
             model=str(tiny_k3_checkpoint),
             dtype="float32",
@@ -1123,7 +1126,15 @@ def test_the_class_accepts_the_graph_configs_vllm_builds_for_k3(
 
     config = gpu_config(vendor, drafts)
     compilation = config.compilation_config
-    assert is_breakable_cudagraph_enabled() is breakable
+    # vLLM 0.34 keeps the decision in the config (0.32 and 0.33 in the
+    # environment, which 0.34 no longer writes).
+    if (
+        "compilation_config"
+        in inspect.signature(is_breakable_cudagraph_enabled).parameters
+    ):
+        assert is_breakable_cudagraph_enabled(compilation) is breakable
+    else:
+        assert is_breakable_cudagraph_enabled() is breakable
     assert compilation.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
     if breakable:
         assert compilation.mode == CompilationMode.NONE
@@ -1151,16 +1162,20 @@ def test_the_class_accepts_the_graph_configs_vllm_builds_for_k3(
         key=lambda pair: pair[1].value,
     )  # fmt: skip
     default = compilation.cudagraph_mode
-    for v2_runner in (True, False):
+    # vLLM 0.34 has Model Runner V2 only, and its resolver no runner argument.
+    resolver = inspect.signature(compilation.resolve_cudagraph_mode_and_sizes)
+    has_v1 = "use_v2_model_runner" in resolver.parameters
+    for v2_runner in (True, False) if has_v1 else (True,):
         compilation.cudagraph_mode = default
+        runner = {"use_v2_model_runner": v2_runner} if has_v1 else {}
         resolved = compilation.resolve_cudagraph_mode_and_sizes(
             least,
             name,
             uniform_decode_query_len=1 + drafts,
-            use_v2_model_runner=v2_runner,
             # What each runner passes: V2 the breakable flag (nothing is
             # compiled), V1 its default.
             piecewise_capture_available=breakable or not v2_runner,
+            **runner,
         )
         assert resolved.decode_mode() == CUDAGraphMode.FULL
         pieces = breakable or not v2_runner
@@ -1475,6 +1490,35 @@ def test_each_rank_takes_its_slice_of_the_packed_experts(monkeypatch):
     assert torch.equal(w13[: inner // 2], decoded["w1"][inner // 2 :])
     assert torch.equal(w13[inner // 2 :], decoded["w3"][inner // 2 :])
     assert torch.equal(w2, decoded["w2"][:, inner // 2 :])
+
+
+def test_loading_finishes_every_mla_layer_as_vllms_loader_does(
+    build, weights, vllm_config, monkeypatch
+):
+    """vLLM's loader ends with ``process_weights_after_loading``, which on 0.34
+    runs ``finalize_model_weights``: every module's hook, called without arguments
+    (0.32 and 0.33 passed attention layers the dtype). Through it every MLA layer
+    of ours gets its absorbed up-projections, in the model's dtype."""
+    from vllm.model_executor.layers.attention import MLAAttention
+    from vllm.model_executor.model_loader import utils
+
+    finalized = []
+    finalize = getattr(utils, "finalize_model_weights", None)
+    if finalize is not None:
+
+        def counted(model, *args, **kwargs):
+            finalized.append(model)
+            return finalize(model, *args, **kwargs)
+
+        monkeypatch.setattr(utils, "finalize_model_weights", counted)
+    model = _loaded(build, weights, vllm_config, "pytorch")
+    if finalize is not None:
+        assert finalized == [model]
+    layers = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    assert layers
+    for layer in layers:
+        assert layer.W_UK_T is not None and layer.W_UV is not None
+        assert layer.W_UK_T.dtype == layer.W_UV.dtype == torch.float32
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])

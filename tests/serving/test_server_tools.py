@@ -89,6 +89,25 @@ def test_tool_choice_none_returns_no_calls_and_no_markup(k3_server, hf_tokenizer
     assert client_reply == ("Two lookups and a file.", "On it.", (), "stop")
 
 
+@pytest.mark.parametrize("read", [chat, chat_stream], ids=["chat", "chat-stream"])
+def test_an_empty_tools_list_reads_as_no_tools(k3_server, hf_tokenizer, read):
+    """vLLM 0.34 takes ``tools: []`` as omitted (0.32 and 0.33 answer 400): the
+    reply is read exactly as without the field."""
+    import vllm
+
+    from vllm_k3_plugin.compat import release
+
+    ids = _ids(hf_tokenizer, SHAPES["reply-then-calls"].output)
+    stream = read is chat_stream
+    if release(vllm.__version__) < (0, 34):
+        with pytest.raises(openai.BadRequestError):
+            _chat_with(k3_server, ids, stream, tools=[])
+        return
+    assert _chat_with(k3_server, ids, stream, tools=[]) == _chat_with(
+        k3_server, ids, stream
+    )
+
+
 # What each endpoint reports as the finish of an output that ended inside a call.
 CUT_FINISH = {
     "length": {"chat": "length", "responses": "incomplete", "messages": "max_tokens"},

@@ -40,7 +40,7 @@ def _step(worker, scheduled, new=(), cached=(), finished=()):
         )
     )
     output = worker.sample_tokens(None)
-    return {r: output.sampled_token_ids[i] for r, i in output.req_id_to_index.items()}
+    return dict(zip(output.req_ids, output.sampled_token_ids, strict=True))
 
 
 def test_forced_ids_then_the_stop_token():

@@ -6,6 +6,8 @@ own ``chat_template_kwargs`` win over the object."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -67,3 +69,45 @@ def test_the_prompt_opens_the_channel_the_object_asks_for(
     assert response.status_code == 200, response.text
     prompt = hf_tokenizer.decode(response.json()["prompt_token_ids"])
     assert prompt.endswith(vocab.opener(opened)), prompt[-80:]
+
+
+def _has_between_tools() -> bool:
+    from vllm.entrypoints.anthropic import protocol
+
+    return hasattr(protocol, "AnthropicThinkingConfigBetweenTools")
+
+
+@pytest.mark.skipif(
+    not _has_between_tools(),
+    reason="this vLLM's Messages endpoint has no thinking type between_tools (0.34+)",
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["messages", "messages-stream"])
+def test_messages_between_tools_thinking_reads_the_reply_as_text(k3_server, stream):
+    """vLLM 0.34 maps Anthropic's ``between_tools`` to disabled thinking: the prompt
+    opens the response channel, and the plugin reads the reply as text."""
+    ids = _ids()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": len(ids) + 16,
+        "temperature": 0,
+        "stream": stream,
+        "thinking": {"type": "between_tools"},
+        "vllm_xargs": {"k3_force_ids": ids},
+    }
+    response = httpx.post(k3_server + "/v1/messages", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [
+            json.loads(line[len("data: ") :])
+            for line in response.text.splitlines()
+            if line.startswith("data: ")
+        ]
+        deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+        text = "".join(d.get("text", "") for d in deltas)
+        thinking = "".join(d.get("thinking", "") for d in deltas)
+    else:
+        blocks = response.json()["content"]
+        text = "".join(b.get("text", "") for b in blocks if b["type"] == "text")
+        thinking = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")
+    assert (thinking, text) == ("", REPLY)

@@ -8,11 +8,14 @@ import os
 
 from vllm_k3_plugin.envs import KDA_ENV, KERNELS_ENV, MLA_ENV, MOE_ENV
 
+from .cpu_without_triton import allow_cpu_without_triton
+
 
 def engine_config(checkpoint, **extra):
     """The config ``vllm serve`` builds for the tests' fp32 tiny-K3 server."""
     from vllm.engine.arg_utils import EngineArgs
 
+    allow_cpu_without_triton()
     return EngineArgs(
         model=str(checkpoint),
         dtype="float32",

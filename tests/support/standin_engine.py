@@ -1,10 +1,10 @@
 """A stand-in for the model under vLLM's engine core, for vLLMs with no CPU build.
 
-vLLM 0.33 ships no CPU build: its wheel's C extensions need CUDA, so no model runs
-here. Everything above the model still does: ``vllm serve``'s CLI, plugin loading,
-the renderer, the serving classes, the engine core process with its scheduler and
-stop checking, the output processor and the detokenizer. This module replaces only
-the executor (``--distributed-executor-backend
+vLLM 0.33 and 0.34 ship no CPU build: their wheels' C extensions need CUDA, so no
+model runs here. Everything above the model still does: ``vllm serve``'s CLI, plugin
+loading, the renderer, the serving classes, the engine core process with its
+scheduler and stop checking, the output processor and the detokenizer. This module
+replaces only the executor (``--distributed-executor-backend
 support.standin_engine.ForcedTokenExecutor``, ``tests/`` on the server's path): it
 holds no model and no KV cache, and "samples" what a request forces, under the
 contract of the forcing logits processor (``support.force``): output step ``n`` is
@@ -14,10 +14,17 @@ forced ids gets the stop token at once.
 What ends an output is vLLM's own code, exactly as after a real model's step: the
 scheduler stops a request at its ``max_tokens``, the model length, an EOS or a
 ``stop_token_ids`` id; the front end's detokenizer at a stop string.
+
+vLLM 0.34's CPU platform refuses an x86 host without Triton; the stand-in runs no
+kernel, so importing this module lets that one check pass
+(``support.cpu_without_triton``): vLLM imports the executor class named by
+``--distributed-executor-backend`` while it builds the config, before the platform
+checks it, in every process that builds one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,9 +36,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_k3_plugin.format import vocab
+from .cpu_without_triton import allow_cpu_without_triton
+from .force import forced_ids, forced_token
 
-from .force import forced_ids
+allow_cpu_without_triton()
 
 # The KV cache the scheduler allocates blocks of: one small layer, never written.
 PAGE_TOKENS = 16
@@ -42,6 +50,12 @@ STANDIN_CACHE_BYTES = 64 << 20
 # a model (with no delay the engine outruns the server, which merges the deltas).
 STEP_SECONDS = 0.003
 
+# vLLM 0.32 and 0.33's runner output maps request ids to rows; 0.34's scheduler
+# builds that map from ``req_ids`` itself.
+_OUTPUT_HAS_INDEX = "req_id_to_index" in {
+    f.name for f in dataclasses.fields(ModelRunnerOutput)
+}
+
 
 @dataclass
 class _Request:
@@ -50,8 +64,7 @@ class _Request:
     written: list[int] = field(default_factory=list)
 
     def next_id(self) -> int:
-        step = len(self.written)
-        return self.forced[step] if step < len(self.forced) else vocab.END_OF_MSG_ID
+        return forced_token(self.forced, len(self.written))
 
 
 class _ForcedTokenWorker:
@@ -137,17 +150,49 @@ class _ForcedTokenWorker:
                 sampled.append([token])
             else:
                 sampled.append([])
+        index = (
+            {"req_id_to_index": {req_id: i for i, req_id in enumerate(req_ids)}}
+            if _OUTPUT_HAS_INDEX
+            else {}
+        )
         self._pending = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
+            req_ids=req_ids, sampled_token_ids=sampled, **index
         )
 
     def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
         output, self._pending = self._pending, None
         if output is None:
             raise RuntimeError("sample_tokens without execute_model")
+        if grammar_output is not None:
+            self._apply_grammar(output, grammar_output)
         return output
+
+    def _apply_grammar(self, output: ModelRunnerOutput, grammar_output: Any) -> None:
+        """Sample as a model's sampler under structured output: a forced id the
+        request's grammar bitmask forbids becomes the lowest id it allows. While a
+        request reasons vLLM sends a row allowing every id, so the forced ids go
+        through; from the step its reasoning parser says reasoning ended, the
+        grammar decides."""
+        rows = dict(
+            zip(
+                grammar_output.structured_output_request_ids,
+                grammar_output.grammar_bitmask,
+                strict=True,
+            )
+        )
+        for req_id, sampled in zip(output.req_ids, output.sampled_token_ids):
+            row = rows.get(req_id)
+            if row is None or not sampled or _allowed(row, sampled[0]):
+                continue
+            allowed = next(
+                token for token in range(len(row) * 32) if _allowed(row, token)
+            )
+            sampled[0] = allowed
+            self._requests[req_id].written[-1] = allowed
+
+
+def _allowed(bitmask_row: Any, token: int) -> bool:
+    return bool((int(bitmask_row[token >> 5]) >> (token & 31)) & 1)
 
 
 class ForcedTokenExecutor(Executor):

@@ -6,7 +6,10 @@ only to warm up a compiled model (``CPUModelRunner.warming_up_model`` returns at
 once for ``CompilationMode.NONE``, and ``CPUWorker`` skips it with an explicit KV
 cache size), and vLLM never compiles Kimi-K3, so every step of a second stage
 failed on ``assert self.intermediate_tensors is not None``. This allocates them as
-the dummy run would, once, after the KV cache is set up. vLLM 0.33 has no CPU build.
+the dummy run would, once, after the KV cache is set up. vLLM 0.33 has no CPU build;
+0.34's CPU runner (``vllm.v1.worker.cpu.model_runner``, on Model Runner V2) allocates
+them itself when it loads the model, so there this finds no V1 runner and does
+nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ _MARK = "_vllm_k3_plugin_receive_buffers"
 
 
 def install() -> None:
-    """Idempotent; a no-op where vLLM has no CPU model runner."""
+    """Idempotent; a no-op where vLLM has no V1 CPU model runner (0.34 and on)."""
     try:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     except ImportError:

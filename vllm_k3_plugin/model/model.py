@@ -558,8 +558,9 @@ def check_cuda_graphs(vllm_config: VllmConfig, model: nn.Module, *, on_gpu: bool
 
     vLLM captures K3 two ways (it never compiles it): full graphs of uniform decode
     batches (both vendors; vLLM's decorated ops run inside them), and on NVIDIA,
-    where vLLM sets ``VLLM_USE_BREAKABLE_CUDAGRAPH`` for K3, breakable graphs of the
-    other batches. What each block is in them:
+    where vLLM turns breakable graphs on for K3 (``VLLM_USE_BREAKABLE_CUDAGRAPH``;
+    0.34 keeps the decision in ``CompilationConfig.use_breakable_cudagraph``),
+    breakable graphs of the other batches. What each block is in them:
 
     - KDA: the delta rule is an eager break (it reads a prefill's layout on the
       host); a decode-only step, with or without draft tokens, reads nothing back

@@ -4,7 +4,11 @@ Two callers use it:
 
 - the engine core, for structured output: ``is_reasoning_end`` on the prompt and
   ``is_reasoning_end_streaming`` once per decode step (it runs every step: it looks at
-  the delta only);
+  the delta only); the grammar constrains from the token after the end. vLLM 0.34
+  asks ``reasoning_end_token_ids`` first and, where a parser names any,
+  ``find_reasoning_end`` on a step's ids alone; K3's reasoning ends on an element,
+  never on one id, so it names none and 0.34 asks as 0.32 and 0.33 do. 0.34 passes
+  token buffers and views rather than lists: both functions only index and slice;
 - the API server, through our combined parser (``parser.K3Parser``), which owns the
   reader. The streaming and non-streaming methods here are for callers that drive a
   bare reasoning parser; they use the same reader.
@@ -100,6 +104,23 @@ class K3ReasoningParser(ReasoningParser):
 
     def adjust_initial_state_from_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         self._prompt_ids = prompt_token_ids
+
+    # vLLM 0.34's structured-output gate (0.32 and 0.33 never ask). The think
+    # channel ends on ``<|close|>think<|sep|>``, a response opener or a tools
+    # opener the next ids decide: several ids, and the gate would hand
+    # ``find_reasoning_end`` one step's ids without those before them. So no id
+    # ends reasoning alone, and the gate reads each step with
+    # ``is_reasoning_end_streaming``, which sees what precedes the step.
+    @property
+    def reasoning_end_token_ids(self) -> frozenset[int]:
+        return frozenset()
+
+    @property
+    def implicit_reasoning_end_token_ids(self) -> frozenset[int]:
+        return frozenset()
+
+    def find_reasoning_end(self, token_ids: Sequence[int]) -> None:
+        return None
 
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         open_think = reasoning_open_after(input_ids, self.decode)
