@@ -150,6 +150,16 @@ def test_the_audit_sees_the_overrides():
     assert "K3CpuMlaImpl.do_kv_cache_update<CPUMLAImpl>" in names
     assert any(name.startswith("K3Parser.parse_delta<") for name in names)
     assert "ForcedTokenExecutor.execute_model<Executor>" in names
+    from vllm.reasoning import ReasoningParser
+
+    # vLLM 0.34's structured-output hook, where the installed vLLM has it (its two
+    # properties are no calls to audit).
+    if "find_reasoning_end" in vars(ReasoningParser):
+        assert "K3ReasoningParser.find_reasoning_end<ReasoningParser>" in names
+    # The forcing processor on the interface the installed vLLM loads: V1's
+    # ``update_state`` (0.32, 0.33) or Model Runner V2's ``add_request`` (0.34).
+    assert {"ForceTokens.update_state<LogitsProcessor>",
+            "ForceTokens.add_request<LogitsProcessor>"} & names  # fmt: skip
 
 
 @pytest.mark.parametrize(("ours", "theirs"), OVERRIDES)
