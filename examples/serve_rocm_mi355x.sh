@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Kimi-K3 on one node of 8x AMD Instinct MI355X (gfx950, ROCm build of vLLM 0.32/0.33),
+# Kimi-K3 on one node of 8x AMD Instinct MI355X (gfx950, ROCm build of vLLM 0.32 to 0.34),
 # with the vllm-k3-plugin parsers. Install once into the vLLM environment:
-#     pip install vllm-k3-plugin        # or: pip install /path/to/this/checkout
+#     pip install /path/to/vllm-k3-plugin   # a checkout, or a wheel built from it
 # The plugin loads itself in every vLLM process; the flags are vLLM's own.
 set -euo pipefail
 

@@ -136,3 +136,26 @@ def test_check_raises_or_warns(monkeypatch):
     check_vllm_version("0.20.0", warn=warned.append)
     assert len(warned) == 1 and "vLLM '0.20.0' is untested" in warned[0]
     assert release("0.33.2") == (0, 33)
+
+
+def test_the_registration_line_waits_for_vllms_logging():
+    """The API server loads plugins while it parses its arguments, before vLLM
+    configures logging: the line is said once vLLM's ``configure_logging_from_args``
+    runs, as the API server calls it, and once only."""
+    probe = (
+        "import argparse, vllm.logger as vllm_logger; "
+        "from vllm.plugins import load_general_plugins; "
+        "load_general_plugins(); print('LOADED', flush=True); "
+        "vllm_logger.configure_logging_from_args(argparse.Namespace()); "
+        "load_general_plugins()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    run = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = run.stdout + run.stderr
+    registered = "kimi_k3 reasoning and tool parsers registered"
+    assert said.count(registered) == 1, said[-2000:]
+    assert said.index("LOADED") < said.index(registered)

@@ -29,7 +29,8 @@
    ``KimiK3MTPModel``, our drafter on the checkpoint's MTP layers (its hidden states
    are our class's). vLLM logs the override. By default only on the CPU
    (``VLLM_K3_MODEL_CLASS=plugin`` forces it, ``vllm`` keeps vLLM's in-tree class
-   everywhere).
+   everywhere). With them, a config hook (``model.cpu_config``) settles on the CPU
+   what a plain ``vllm serve`` of a K3 checkpoint could not start with there.
 
 All are idempotent: vLLM loads general plugins once per process, but tests and
 embedding code may call ``register()`` again.
@@ -78,13 +79,48 @@ def register_all() -> None:
     if models == "plugin":
         _register_model_classes()
     # vLLM configures the ``vllm`` logger tree only; ours must live under it.
-    logger.info(
+    say_once_logging_is_configured(
+        logger,
         "vllm-k3-plugin %s: kimi_k3 reasoning and tool parsers registered "
         "(replay policy: %s); Kimi-K3 model class: %s",
         __version__,
         policy.value,
         MODEL_MODULE if models == "plugin" else "vLLM's in-tree",
     )
+
+
+_DEFERRED_MARK = "_vllm_k3_plugin_deferred_lines"
+
+
+def say_once_logging_is_configured(logger: Any, *line: Any) -> None:
+    """Log ``line`` now if vLLM's logging is set up in this process, else right
+    after vLLM sets it up: the API server loads plugins while it parses its
+    arguments, before it applies its logging config, and a line logged then is
+    lost (no handler yet, and Python's default level is WARNING)."""
+    import logging
+
+    import vllm.logger as vllm_logger
+
+    if logging.getLogger("vllm").handlers:
+        logger.info(*line)
+        return
+    configure = vllm_logger.configure_logging
+    pending = getattr(configure, _DEFERRED_MARK, None)
+    if pending is not None:
+        pending.append((logger, line))
+        return
+    pending = [(logger, line)]
+
+    @functools.wraps(configure)
+    def configure_logging(*args: Any, **kwargs: Any) -> Any:
+        vllm_logger.configure_logging = configure
+        result = configure(*args, **kwargs)
+        for deferred_logger, deferred_line in pending:
+            deferred_logger.info(*deferred_line)
+        return result
+
+    setattr(configure_logging, _DEFERRED_MARK, pending)
+    vllm_logger.configure_logging = configure_logging
 
 
 MODEL_MODULE = "vllm_k3_plugin.model.model"
@@ -98,9 +134,12 @@ MTP_CLASS = "vllm_k3_plugin.model.mtp:KimiK3Mtp"
 def _register_model_classes() -> None:
     from vllm import ModelRegistry
 
+    from vllm_k3_plugin.model import cpu_config
+
     for architecture in MODEL_ARCHITECTURES:
         ModelRegistry.register_model(architecture, f"{MODEL_MODULE}:{architecture}")
     ModelRegistry.register_model(MTP_ARCHITECTURE, MTP_CLASS)
+    cpu_config.install(MODEL_ARCHITECTURES)
 
 
 def _register_reasoning_parser() -> None:

@@ -182,9 +182,46 @@ def running_server(
     ``vllm serve`` rather than the api_server module; ``forcing``: with the logits
     processor that forces outputs (``support.force``)."""
     port = free_port()
+    command = serve_command(model_dir, port, *extra, cli=cli, forcing=forcing)
+    with serving(command, port, log_path, timeout_s=timeout_s, env=env) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def plain_server(
+    model_dir: Path, log_path: Path, *extra: str, timeout_s: float = 600.0
+) -> Iterator[str]:
+    """``python -m vllm.entrypoints.openai.api_server --model DIR`` and ``extra``,
+    nothing else but where it listens: what an operator types."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
+    with serving(command, port, log_path, timeout_s=timeout_s) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(
+    command: list[str],
+    port: int,
+    log_path: Path,
+    *,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            serve_command(model_dir, port, *extra, cli=cli, forcing=forcing),
+            command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**serve_env(), **(env or {})},

@@ -14,10 +14,20 @@ import asyncio
 import sys
 from pathlib import Path
 
+DESCRIPTION = (
+    "Capture what a Kimi-K3 server's model wrote (every marker kept), and replay "
+    "it through the plugin's readers and, with --against vllm, vLLM's in-tree "
+    "ones: where each reply's reasoning, content and tool calls land, streamed "
+    "and whole. 'vllm-k3 replay' with no file replays a built-in corpus."
+)
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="vllm-k3", description=__doc__.split("\n\n")[0]
+        prog="vllm-k3",
+        description=DESCRIPTION,
+        epilog="'vllm-k3 capture --help' and 'vllm-k3 replay --help' list each "
+        "command's options.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 

