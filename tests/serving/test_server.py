@@ -7,6 +7,8 @@ reading a reply must return the pinned reasoning and content.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.support.endpoints import ENDPOINTS, chat, chat_stream
@@ -86,10 +88,21 @@ def test_every_process_says_the_parsers_registered(k3_server, k3_server_log):
     (which builds its own reasoning parser: structured output asks it when
     reasoning ended) each log that the plugin registered. The API server loads
     plugins before vLLM configures its logging; the line waits for it."""
-    registered = [
-        line
-        for line in k3_server_log.read_text(errors="replace").splitlines()
+    lines = k3_server_log.read_text(errors="replace").splitlines()
+    registered = {
+        pid
+        for pid, line in _by_pid(lines)
         if "kimi_k3 reasoning and tool parsers registered" in line
-    ]
-    for process in ("(APIServer", "(EngineCore"):
-        assert any(line.startswith(process) for line in registered), registered
+    }
+    # By process id: vLLM 0.34 names the API server's process only after it
+    # configured logging (its first lines say ``MainProcess``).
+    for process in ("APIServer", "EngineCore"):
+        pids = {pid for pid, line in _by_pid(lines) if line.startswith(f"({process} ")}
+        assert pids and pids <= registered, (process, pids, registered)
+
+
+def _by_pid(lines):
+    for line in lines:
+        found = re.match(r"\(\w+ pid=(\d+)\)", line)
+        if found:
+            yield found[1], line

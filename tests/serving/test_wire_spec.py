@@ -25,6 +25,7 @@ from tests.support.expected_tools import (
 )
 from tests.support.server import serves_the_model
 from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.xtml import render_tools
 from vllm_k3_plugin.tools.shapes import SHAPES, TOOLS, WEATHER_TOOL, output_ids
 
 pytestmark = pytest.mark.server
@@ -95,7 +96,8 @@ def _read(frames: list[dict]) -> dict:
     """Walk the frames as the spec does; return what was read."""
     first = frames[0]
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", first["id"]), first["id"]  # P2.1
-    read = {"reasoning": "", "content": "", "arguments": "", "boundary": False}
+    read = {"reasoning": "", "content": "", "arguments": "", "boundary": False,
+            "resumed": ""}  # fmt: skip
     started: set[int] = set()
     summaries = [f for f in frames if f["choices"] == []]
     for frame in frames:
@@ -118,14 +120,19 @@ def _read(frames: list[dict]) -> dict:
             read["content"] += delta["content"]
         if "reasoning_content" in delta:
             text = delta["reasoning_content"]
-            assert not read["boundary"], "reasoning after the boundary"  # P1.7
             if text == "":
-                assert read["reasoning"]
+                assert read["reasoning"] and not read["boundary"]  # P1.7
                 read["boundary"] = True
             else:
                 assert delta["reasoning"] == text  # P0.12, beside vLLM's field
                 read["reasoning"] += text
+                # Thinking resumed after it ended (between calls, after the
+                # reply's text): reasoning after the boundary.
+                if read["boundary"]:
+                    read["resumed"] += text
         for call in delta.get("tool_calls") or ():
+            # Thinking ended where the first call began: the boundary before it.
+            assert not read["reasoning"] or read["boundary"], delta
             if call["index"] not in started:  # P0.13, P2.2
                 assert call["index"] == len(started)  # P0.14, P1.9: 0, 1, ...
                 started.add(call["index"])
@@ -157,11 +164,13 @@ def test_a_thinking_reply(wire_server, usage):
 @pytest.mark.parametrize("shape", ["tools-in-think", "think-between-calls"])
 def test_a_tool_call_reply(wire_server, shape):
     """A call from the thought, and thinking resumed between calls then a reply:
-    the boundary comes after all the thinking, before the reply's text."""
+    the boundary comes where the thinking first ended, before the first call; the
+    resumed thinking follows it as reasoning."""
     read = _read(_frames(wire_server, _body(shape, True)))
     reasoning, content, ((_, arguments),) = TOOL_SHAPES[shape]
     assert (read["reasoning"], read["content"]) == (reasoning, content)
     assert read["boundary"] and read["finish"] == "tool_calls"
+    assert bool(read["resumed"]) == (shape == "think-between-calls")
     assert json.loads(read["arguments"]) == json.loads(arguments)
 
 
@@ -368,6 +377,44 @@ def test_continuous_usage_rides_on_every_frame(wire_server):
         for usage in (choice["usage"], end["usage"], summary["usage"])
     }
     assert tokens == {counted} and counted > 0
+
+
+@pytest.mark.parametrize("empty_reply", [False, True], ids=["tools", "empty-reply"])
+def test_thinking_closed_before_a_call_ends_at_the_call(wire_server, empty_reply):
+    """The Vendor Verifier's continuous reasoning usage check, its last block: the
+    model closes its thinking, then opens the tools channel (with or without an
+    empty response element before it). The boundary goes before the first
+    tool-call frame, and the reasoning token count stays where it was at the
+    boundary on every tool-call frame."""
+    output = (
+        "Need the weather."
+        + vocab.THINK_END
+        + (vocab.RESPONSE_START + vocab.RESPONSE_END if empty_reply else "")
+        + render_tools([("get_weather", {"city": "Paris"})])
+        + vocab.MESSAGE_END
+    )
+    ids = output_ids(output, stop=True)
+    options = {"include_usage": True, "continuous_usage_stats": True,
+               "include_internal_content": True}  # fmt: skip
+    body = {
+        **_body("think-then-reply", True, stream_options=options),
+        "max_tokens": len(ids) + 16,
+        "vllm_xargs": {"k3_force_ids": ids},
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "auto",
+    }
+    frames = _choice_frames(_frames(wire_server, body))
+    kinds = [next(iter(f["choices"][0]["delta"]), "") for f in frames]
+    boundary = next(
+        n for n, f in enumerate(frames)
+        if f["choices"][0]["delta"].get("reasoning_content") == ""
+    )  # fmt: skip
+    calls = [n for n, kind in enumerate(kinds) if kind == "tool_calls"]
+    assert calls and boundary < calls[0], kinds
+    at_boundary = frames[boundary]["usage"]["completion_tokens_details"]
+    for n in calls:
+        details = frames[n]["usage"]["completion_tokens_details"]
+        assert details["reasoning_tokens"] == at_boundary["reasoning_tokens"] > 0
 
 
 LONG_PROMPT = " ".join(f"fact {n}: the sea is wide." for n in range(300))

@@ -459,9 +459,23 @@ def test_the_last_steps_tokens_go_out_before_the_end_frame():
     ]  # fmt: skip
 
 
-def test_thinking_between_calls_ends_before_the_reply_text():
-    """Reasoning, a call, more reasoning, then text: the boundary goes before the
-    text, so no reasoning follows it (a think block after the reply's text would)."""
+def test_the_boundary_goes_before_the_first_call():
+    """Reasoning, then a call: thinking ended where the call began, so the boundary
+    goes before the call's first frame (KVV's continuous reasoning usage check)."""
+    call = [{"index": 0, "id": "functions.f:0", "type": "function",
+             "function": {"name": "f", "arguments": "{}"}}]  # fmt: skip
+    out = run([FIRST, chunk({"reasoning": "Need data."}), chunk({"tool_calls": call}),
+               chunk({}, "tool_calls"), summary()])  # fmt: skip
+    kinds = [next(iter(d), "end") for d, _ in deltas(out)[1:]]
+    assert kinds == ["reasoning", "reasoning_content", "tool_calls", "tool_calls",
+                     "end"]  # fmt: skip
+    assert deltas(out)[2][0] == BOUNDARY
+
+
+def test_thinking_resumed_between_calls_follows_the_boundary():
+    """Reasoning, a call, more reasoning, then text: the boundary goes where the
+    thinking first ended, before the call; the resumed thinking goes on as
+    reasoning after it, as a think block after the reply's text does."""
     call = [{"index": 0, "id": "functions.f:0", "type": "function",
              "function": {"name": "f", "arguments": "{}"}}]  # fmt: skip
     out = run(
@@ -476,9 +490,10 @@ def test_thinking_between_calls_ends_before_the_reply_text():
         ]
     )
     kinds = [next(iter(d), "end") for d, _ in deltas(out)[1:]]
-    assert kinds == ["reasoning", "tool_calls", "tool_calls", "reasoning",
-                     "reasoning_content", "content", "end"]  # fmt: skip
-    assert deltas(out)[5][0] == BOUNDARY
+    assert kinds == ["reasoning", "reasoning_content", "tool_calls", "tool_calls",
+                     "reasoning", "content", "end"]  # fmt: skip
+    assert deltas(out)[2][0] == BOUNDARY
+    assert deltas(out)[5][0]["reasoning_content"] == " Resumed."
 
 
 def test_an_error_frame_after_the_end_flushes_what_was_held():

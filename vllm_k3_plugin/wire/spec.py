@@ -481,7 +481,7 @@ class StreamRewrite:
             state.reasoning_sent = True
             delta["reasoning_content"] = value
             return False
-        if kind == "tool_calls" and _continuations(value):
+        if kind == "tool_calls" and _continuations(value) and not state.boundary_due:
             return True
         if kind == "content" and value and not state.boundary_due:
             return True
@@ -517,7 +517,8 @@ class StreamRewrite:
             if "reasoning" in part:
                 state.reasoning_sent = True
                 part = {**part, "reasoning_content": part["reasoning"]}
-            elif "content" in part:
+            elif "content" in part or "tool_calls" in part:
+                # Where thinking ended: before the reply or the first call.
                 deltas += state.boundary()
             if "tool_calls" in part and isinstance(part["tool_calls"], list):
                 others = {k: v for k, v in part.items() if k != "tool_calls"}
