@@ -327,7 +327,7 @@ def bench_kda(device, smoke, warmup, repeats):
         )
 
 
-# vLLM's in-tree K3 KDA ops (0.32 and 0.33), one copy per vendor.
+# vLLM's in-tree K3 KDA ops (0.32 to 0.34), one copy per vendor.
 K3_KDA_PACKAGES = (
     "vllm.models.kimi_k3.nvidia.ops.third_party.kda",
     "vllm.models.kimi_k3.amd.ops.third_party.kda",

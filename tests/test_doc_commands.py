@@ -1,7 +1,7 @@
 """Every command in the README's and examples/README's shell blocks, run as written
 (placeholders filled in) where this machine can run it, and otherwise listed here
 with why not: a command added to the docs without an entry fails, so the docs
-cannot drift from what works.
+cannot drift from what works. Commands written inline in prose are not read.
 """
 
 from __future__ import annotations
@@ -67,11 +67,14 @@ def test_every_doc_command_is_run_or_says_why_not():
 
 
 def _vllm_k3(command: str, **replace: str) -> subprocess.CompletedProcess:
-    """``command`` (a ``vllm-k3`` command line) with this environment's tool."""
+    """``command`` (a ``vllm-k3`` command line) with this environment's
+    ``vllm-k3`` script, the one the package installs."""
     words = shlex.split(command)
     words = [replace.get(word, word) for word in words[1:]]
+    script = Path(sys.executable).parent / "vllm-k3"
+    assert script.is_file(), f"{script}: the package's console script is missing"
     return subprocess.run(
-        [sys.executable, "-m", "vllm_k3_plugin", *words],
+        [str(script), *words],
         capture_output=True,
         text=True,
         timeout=600,

@@ -141,13 +141,14 @@ def test_check_raises_or_warns(monkeypatch):
 def test_the_registration_line_waits_for_vllms_logging():
     """The API server loads plugins while it parses its arguments, before vLLM
     configures logging: the line is said once vLLM's ``configure_logging_from_args``
-    runs, as the API server calls it, and once only."""
+    runs, as the API server calls it, and once only (a second registration before
+    that queues nothing more)."""
     probe = (
         "import argparse, vllm.logger as vllm_logger; "
         "from vllm.plugins import load_general_plugins; "
-        "load_general_plugins(); print('LOADED', flush=True); "
-        "vllm_logger.configure_logging_from_args(argparse.Namespace()); "
-        "load_general_plugins()"
+        "from vllm_k3_plugin.registration import register_all; "
+        "load_general_plugins(); register_all(); print('LOADED', flush=True); "
+        "vllm_logger.configure_logging_from_args(argparse.Namespace())"
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     run = subprocess.run(

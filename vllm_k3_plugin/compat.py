@@ -13,9 +13,12 @@ import re
 
 from vllm_k3_plugin.envs import ALLOW_UNSUPPORTED_VLLM_ENV, allow_unsupported_vllm
 
-SUPPORTED_VLLM = ">=0.32, <0.35"
 OLDEST_TESTED = (0, 32)
 NEWEST_TESTED = (0, 34)
+SUPPORTED_VLLM = (
+    f">={OLDEST_TESTED[0]}.{OLDEST_TESTED[1]}, "
+    f"<{NEWEST_TESTED[0]}.{NEWEST_TESTED[1] + 1}"
+)
 
 
 class UnsupportedVLLMError(RuntimeError):

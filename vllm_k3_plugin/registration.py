@@ -79,6 +79,8 @@ def register_all() -> None:
     if models == "plugin":
         _register_model_classes()
     # vLLM configures the ``vllm`` logger tree only; ours must live under it.
+    # Whether vLLM configured logging yet: its own record of the config it
+    # applied (a private name in 0.32 to 0.34; where absent, logged at once).
     say_once_logging_is_configured(
         logger,
         "vllm-k3-plugin %s: kimi_k3 reasoning and tool parsers registered "
@@ -93,34 +95,32 @@ _DEFERRED_MARK = "_vllm_k3_plugin_deferred_lines"
 
 
 def say_once_logging_is_configured(logger: Any, *line: Any) -> None:
-    """Log ``line`` now if vLLM's logging is set up in this process, else right
-    after vLLM sets it up: the API server loads plugins while it parses its
-    arguments, before it applies its logging config, and a line logged then is
-    lost (no handler yet, and Python's default level is WARNING)."""
-    import logging
-
+    """Log ``line`` now if vLLM has configured logging in this process, else right
+    after it does: the API server loads plugins while it parses its arguments,
+    before it applies its logging config, and a line logged then is lost (no
+    handler yet, and Python's default level is WARNING)."""
     import vllm.logger as vllm_logger
 
-    if logging.getLogger("vllm").handlers:
+    if getattr(vllm_logger, "_last_configured_logging_config", True) is not None:
         logger.info(*line)
         return
     configure = vllm_logger.configure_logging
     pending = getattr(configure, _DEFERRED_MARK, None)
-    if pending is not None:
+    if pending is None:
+        pending = []
+
+        @functools.wraps(configure)
+        def configure_logging(*args: Any, **kwargs: Any) -> Any:
+            vllm_logger.configure_logging = configure
+            result = configure(*args, **kwargs)
+            for deferred_logger, deferred_line in pending:
+                deferred_logger.info(*deferred_line)
+            return result
+
+        setattr(configure_logging, _DEFERRED_MARK, pending)
+        vllm_logger.configure_logging = configure_logging
+    if (logger, line) not in pending:
         pending.append((logger, line))
-        return
-    pending = [(logger, line)]
-
-    @functools.wraps(configure)
-    def configure_logging(*args: Any, **kwargs: Any) -> Any:
-        vllm_logger.configure_logging = configure
-        result = configure(*args, **kwargs)
-        for deferred_logger, deferred_line in pending:
-            deferred_logger.info(*deferred_line)
-        return result
-
-    setattr(configure_logging, _DEFERRED_MARK, pending)
-    vllm_logger.configure_logging = configure_logging
 
 
 MODEL_MODULE = "vllm_k3_plugin.model.model"

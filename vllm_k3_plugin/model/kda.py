@@ -177,7 +177,7 @@ def kda_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]
     )
 
 
-# vLLM's in-tree K3 KDA ops (0.32 and 0.33), one copy per vendor; vLLM also ships
+# vLLM's in-tree K3 KDA ops (0.32 to 0.34), one copy per vendor; vLLM also ships
 # flash-linear-attention's port (``vllm/third_party/flash_linear_attention/ops/kda.py``)
 # whose ops take beta after its sigmoid.
 VLLM_KDA_OPS = {

