@@ -36,8 +36,9 @@ NOT_RUN = {
 }
 REPLAY_BUILTIN = ".venv/bin/vllm-k3 replay --against vllm --show 5"
 SERVE_ON_CPU = (
-    "python -m vllm.entrypoints.openai.api_server --model DIR --reasoning-parser "
-    "kimi_k3 --enable-auto-tool-choice --tool-call-parser kimi_k3"
+    "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model "
+    "DIR --reasoning-parser kimi_k3 --enable-auto-tool-choice --tool-call-parser "
+    "kimi_k3"
 )
 CAPTURE = (
     "vllm-k3 capture --base-url http://HOST:8000 --requests requests.jsonl "
@@ -120,7 +121,12 @@ def test_capture_and_replay_as_written(k3_server, tmp_path, monkeypatch):
     "runs this)",
 )
 def test_the_cpu_serve_command_as_written_replies(tiny_k3_checkpoint, tmp_path):
-    extra = shlex.split(SERVE_ON_CPU)[5:]  # after --model DIR
+    # The servers run with VLLM_CPU_KVCACHE_SPACE=1 (``support.server``).
+    assert shlex.split(SERVE_ON_CPU)[:6] == [
+        "VLLM_CPU_KVCACHE_SPACE=1", "python", "-m",
+        "vllm.entrypoints.openai.api_server", "--model", "DIR",
+    ]  # fmt: skip
+    extra = shlex.split(SERVE_ON_CPU)[6:]
     with plain_server(tiny_k3_checkpoint, tmp_path / "serve.log", *extra) as url:
         ask = subprocess.run(
             [sys.executable, "-c", _CHAT.format(url=url, model=tiny_k3_checkpoint)],
