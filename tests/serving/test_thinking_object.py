@@ -27,6 +27,18 @@ def _ids() -> list[int]:
     return output_ids(REPLY, stop=True)
 
 
+def _forced_body(ids: list[int], **fields) -> dict:
+    """A raw request body forcing ``ids``, with ``fields`` added."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": len(ids) + 16,
+        "temperature": 0,
+        "vllm_xargs": {"k3_force_ids": ids},
+        **fields,
+    }
+
+
 @pytest.mark.parametrize("read", [chat, chat_stream], ids=["chat", "chat-stream"])
 def test_a_disabled_thinking_object_makes_the_reply_content(k3_server, read):
     ids = _ids()
@@ -55,16 +67,7 @@ def test_a_disabled_thinking_object_makes_the_reply_content(k3_server, read):
 def test_the_prompt_opens_the_channel_the_object_asks_for(
     k3_server, hf_tokenizer, thinking, opened
 ):
-    ids = _ids()
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": len(ids) + 16,
-        "temperature": 0,
-        "return_token_ids": True,
-        "thinking": thinking,
-        "vllm_xargs": {"k3_force_ids": ids},
-    }
+    body = _forced_body(_ids(), return_token_ids=True, thinking=thinking)
     response = httpx.post(k3_server + "/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     prompt = hf_tokenizer.decode(response.json()["prompt_token_ids"])
@@ -85,16 +88,7 @@ def _has_between_tools() -> bool:
 def test_messages_between_tools_thinking_reads_the_reply_as_text(k3_server, stream):
     """vLLM 0.34 maps Anthropic's ``between_tools`` to disabled thinking: the prompt
     opens the response channel, and the plugin reads the reply as text."""
-    ids = _ids()
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": len(ids) + 16,
-        "temperature": 0,
-        "stream": stream,
-        "thinking": {"type": "between_tools"},
-        "vllm_xargs": {"k3_force_ids": ids},
-    }
+    body = _forced_body(_ids(), stream=stream, thinking={"type": "between_tools"})
     response = httpx.post(k3_server + "/v1/messages", json=body, timeout=120)
     assert response.status_code == 200, response.text
     if stream:

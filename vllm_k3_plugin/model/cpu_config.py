@@ -105,11 +105,11 @@ def _hook(theirs: type) -> type:
 
         if not current_platform.is_cpu() or vllm_config.model_config is None:
             return
-        quantization = vllm_config.model_config.quantization
+        mxfp4 = vllm_config.model_config.quantization == MXFP4
         changed = settle_cpu_config(
             vllm_config,
             has_amx=amx_mla(vllm_config),
-            method_dtypes=act_dtypes(quantization) if quantization else None,
+            method_dtypes=act_dtypes(MXFP4) if mxfp4 else None,
         )
         if changed:
             from vllm_k3_plugin.model.logs import logger
