@@ -45,7 +45,7 @@ from vllm_k3_plugin.format.output import (
     finish_reason,
 )
 from vllm_k3_plugin.format.reasoning import Channel, ReplayPolicy
-from vllm_k3_plugin.format.xtml import escape_attribute
+from vllm_k3_plugin.format.xtml import escape_attribute, grammar_for
 
 OPEN, CLOSE, SEP = vocab.OPEN, vocab.CLOSE, vocab.SEP
 ATOMS = (OPEN, CLOSE, SEP, vocab.END_OF_MSG)
@@ -203,9 +203,15 @@ def value_element(draw):
     return pieces, closed
 
 
+# The tools the outputs call, all declared by the request (one has a name the generic
+# tag grammar refuses: it holds spaces).
+CALLED_TOOLS = ("get_weather", "write", 'say "hi" & go')
+GRAMMAR = grammar_for(CALLED_TOOLS, ())
+
+
 @st.composite
 def call(draw, number):
-    name = draw(st.sampled_from(["get_weather", "write", 'say "hi" & go']))
+    name = draw(st.sampled_from(CALLED_TOOLS))
     pieces = [
         control(f'{OPEN}call tool="{escape_attribute(name)}" index="{number}"{SEP}')
     ]
@@ -345,7 +351,7 @@ def detokenize(ids: list[int], steps: list[int], stopped: bool, lag: int = 0):
 
 
 def read(chunks, start, policy, stopped) -> OutputReading:
-    reader = OutputReader(start, policy, marked.IdAtoms(atom_tokens()))
+    reader = OutputReader(start, policy, marked.IdAtoms(atom_tokens()), grammar=GRAMMAR)
     events = []
     for chunk_text, chunk_ids in chunks:
         events += reader.feed(chunk_text, chunk_ids)

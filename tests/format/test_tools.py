@@ -27,9 +27,15 @@ from vllm_k3_plugin.format.tools import (
     typed_value_json,
 )
 from vllm_k3_plugin.format.xtml import (
+    GENERIC_GRAMMAR,
+    MAX_KEY_CHARS,
+    MAX_NAME_CHARS,
     MAX_TAG_CHARS,
+    MAX_TOOL_NAME_CHARS,
+    TagGrammar,
     TagText,
     escape_attribute,
+    grammar_for,
     parse_tag,
     render_call,
     render_tools,
@@ -66,8 +72,8 @@ def _tools(*calls: str) -> str:
     return vocab.TOOLS_START + "".join(calls) + vocab.TOOLS_END
 
 
-def _streamed(chunks: list[str]) -> list:
-    reader = ToolCallReader()
+def _streamed(chunks: list[str], grammar: TagGrammar = GENERIC_GRAMMAR) -> list:
+    reader = ToolCallReader(grammar=grammar)
     events = []
     for chunk in chunks:
         events += reader.feed(chunk)
@@ -96,24 +102,26 @@ def test_attribute_unescape_order_is_quot_then_amp():
 
 
 # The tag grammar, written apart from ``TagText``: a whole tag, and what may still
-# grow into one.
+# grow into one (short texts: the bounds are tested below). A value holds no
+# whitespace, but a ``key`` may hold spaces (never a newline).
 _NAME = r"[A-Za-z_][\w.:-]*"
 _KEY = r"[A-Za-z_][\w.-]*"
+_ATTR = rf'(?:key\s*=\s*"[^"\n]*"|{_KEY}\s*=\s*"[^"\s]*")'
+_ATTR_PREFIX = rf'(?:key\s*=\s*"[^"\n]*|{_KEY}(?:\s*=\s*(?:"[^"\s]*)?)?)'
 _WHOLE = {
-    True: re.compile(rf'{_NAME}(?:\s+{_KEY}\s*=\s*"[^"]*")*\s*').fullmatch,
+    True: re.compile(rf"{_NAME}(?:\s+{_ATTR})*\s*").fullmatch,
     False: re.compile(rf"{_NAME}\s*").fullmatch,
 }
 _PREFIX = {
     True: re.compile(
-        rf'(?:{_NAME}(?:\s+{_KEY}\s*=\s*"[^"]*")*'
-        rf'(?:\s+{_KEY}(?:\s*=\s*(?:"[^"]*)?)?)?\s*)?'
+        rf"(?:{_NAME}(?:\s+{_ATTR})*(?:\s+{_ATTR_PREFIX})?\s*)?"
     ).fullmatch,
     False: re.compile(rf"(?:{_NAME}\s*)?").fullmatch,
 }
 
 
 @given(
-    st.text(alphabet='ab_ =."\n1é-:', max_size=14),
+    st.text(alphabet='akey_ =."\n1é-:', max_size=14),
     st.booleans(),
     st.lists(st.integers(1, 4), max_size=14),
 )
@@ -132,10 +140,74 @@ def test_tag_text_reads_the_tag_grammar_in_any_chunking(text, opener, sizes):
     assert tag.text == text
 
 
-def test_a_tag_longer_than_the_bound_is_no_tag():
+def _fed(text: str, piece: int, grammar: TagGrammar = GENERIC_GRAMMAR) -> TagText:
+    tag = TagText(opener=True, grammar=grammar)
+    for at in range(0, len(text), piece):
+        if not tag.add(text[at : at + piece]):
+            break
+    return tag
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_the_longest_legitimate_tags_are_tags(piece):
+    call = f'call tool="{"t" * MAX_TOOL_NAME_CHARS}" index="999999"'
+    argument = (
+        f'argument key="{("k k" * MAX_KEY_CHARS)[:MAX_KEY_CHARS]}" type="boolean"'
+    )
+    assert max(len(call), len(argument)) == MAX_TAG_CHARS
+    for text in (call, argument):
+        assert _fed(text, piece).complete
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+@pytest.mark.parametrize(
+    ("text", "broken_at"),
+    [
+        # A tool name, an index, a type: no whitespace.
+        ('call tool="search and then', len('call tool="search ')),
+        ('call tool="search\nand', len('call tool="search\n')),
+        ('call tool="f" index="1 and', len('call tool="f" index="1 ')),
+        # A key may hold spaces, never a newline.
+        ('argument key="the city\nthen', len('argument key="the city\n')),
+        # Every word is bounded.
+        ("x" * (MAX_NAME_CHARS + 1), MAX_NAME_CHARS + 1),
+        ('call tool="' + "t" * 80, len('call tool="') + MAX_TOOL_NAME_CHARS + 1),
+        ('argument key="' + "k" * 200, len('argument key="') + MAX_KEY_CHARS + 1),
+        # The whole tag too, however its words are spread.
+        ("call" + " " * MAX_TAG_CHARS, MAX_TAG_CHARS + 1),
+    ],
+)
+def test_a_tag_is_decided_within_the_piece_that_shows_it_is_none(
+    text, broken_at, piece
+):
     tag = TagText(opener=True)
-    assert tag.add('argument key="' + "v" * (MAX_TAG_CHARS - 20))
-    assert not tag.add("v" * 64)
+    fed = 0
+    while fed < len(text):
+        still = tag.add(text[fed : fed + piece])
+        fed += piece
+        if not still:
+            break
+    assert not still
+    # Decided by the piece that held the first character no tag may have there.
+    assert fed - piece < broken_at <= fed
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_declared_names_and_keys_widen_the_grammar(piece):
+    name, key = "look up & go", "x" * (MAX_KEY_CHARS + 10)
+    grammar = grammar_for([name, "ok"], [key, "city"])
+    assert grammar.max_tag_chars > MAX_TAG_CHARS
+    tag = f'call tool="{escape_attribute(name)}" index="1"'
+    assert _fed(tag, piece, grammar).complete
+    assert not _fed(tag, piece).complete
+    assert _fed(f'argument key="{key}" type="string"', piece, grammar).complete
+    # Undeclared names still read by the generic grammar; a declared name's
+    # start that goes elsewhere, or stops early, is no tag.
+    assert _fed('call tool="other_tool"', piece, grammar).complete
+    assert not _fed('call tool="look up & run"', piece, grammar).complete
+    assert not _fed('call tool="look up"', piece, grammar).complete
+    # Declarations the generic grammar already reads change nothing.
+    assert grammar_for(["get_weather"], ["city", "the city"]) is GENERIC_GRAMMAR
 
 
 def test_parse_tag_reads_name_and_attributes():
@@ -603,9 +675,14 @@ def _representable(max_size: int | None = None, min_size: int = 0):
     st.data(),
 )
 def test_rendered_calls_read_back_equal_at_any_chunking(calls, data):
+    # The request declares the tools called, with their keys.
+    grammar = grammar_for(
+        [name for name, _ in calls],
+        [key for _, arguments in calls for key in arguments],
+    )
     markup = render_tools(calls)
     for chunks in ([markup], _cuts(markup, data)):
-        got = collect_calls(_streamed(chunks))
+        got = collect_calls(_streamed(chunks, grammar))
         assert [(c.name, json.loads(c.arguments)) for c in got] == calls
 
 

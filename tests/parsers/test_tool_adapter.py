@@ -307,3 +307,28 @@ def test_a_call_written_without_its_tools_channel_is_a_call(hf_tokenizer):
     )
     assert (whole.content, whole.tool_calls) == ("Sure.", (WEATHER,))
     assert streamed == whole
+
+
+def test_a_declared_tool_name_with_spaces_is_a_call_and_an_undeclared_one_prose(
+    hf_tokenizer,
+):
+    spaced = {
+        "type": "function",
+        "function": {
+            "name": "look up",
+            "parameters": {
+                "type": "object",
+                "properties": {"the city": {"type": "string"}},
+            },
+        },
+    }
+    output = vocab.RESPONSE_END + render_tools([("look up", {"the city": "Paris"})])
+    ids = _ids(hf_tokenizer, output)
+    whole, streamed = _both(hf_tokenizer, ids, _request(tools=[*TOOLS, spaced]))
+    assert whole.tool_calls == (("look up", '{"the city": "Paris"}'),)
+    assert streamed == whole
+    # Not declared, the name is no tool name: the opener is dropped, its text kept.
+    whole, streamed = _both(hf_tokenizer, ids, _request())
+    assert whole.tool_calls == ()
+    assert whole.content.startswith('call tool="look up"')
+    assert streamed == whole

@@ -28,6 +28,11 @@ class ToolMarkup:
     """Marked text of the tools channel, markers included, for the tool-call reader."""
 
     text: str
+    thought: bool | None = None
+    """Whether text outside calls from here on, up to the channel's first call, is
+    the thought's (rule 6): on the markup that opens a tools channel, whether the
+    channel interrupted a thought; ``False`` on a think exit inside the channel;
+    ``None`` on all other markup."""
 
 
 @_EVENT

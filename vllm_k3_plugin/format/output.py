@@ -2,8 +2,10 @@
 
 Sans-I/O: the reasoning reader splits the channels; the tools channel's markup goes
 to one tool-call reader, whose prose (text outside calls) joins the content where it
-stood. Events come out in the order the output wrote them. The non-streaming read
-(``read_output``) is this reader fed the whole output once.
+stood, except in a tools channel that interrupted a thought, before its first call:
+there a call opener not followed by an argument opened nothing, and the text stays
+the thought's (rule 6). Events come out in the order the output wrote them. The
+non-streaming read (``read_output``) is this reader fed the whole output once.
 
 How the output ended decides ``finish_reason`` (``finish_reason``): ``tool_calls``
 only when the model stopped itself and every call it made closed; a call cut off by
@@ -17,10 +19,12 @@ from typing import NamedTuple
 
 from vllm_k3_plugin.format import marked as m
 from vllm_k3_plugin.format.events import (
+    CallOpened,
     Content,
     Dropped,
     OutputEvent,
     Prose,
+    Reasoning,
     ToolMarkup,
 )
 from vllm_k3_plugin.format.reasoning import (
@@ -30,6 +34,7 @@ from vllm_k3_plugin.format.reasoning import (
     split_events,
 )
 from vllm_k3_plugin.format.tools import ToolCall, ToolCallReader, collect_calls
+from vllm_k3_plugin.format.xtml import GENERIC_GRAMMAR, TagGrammar
 
 
 class OutputReading(NamedTuple):
@@ -43,9 +48,10 @@ class OutputReading(NamedTuple):
 
 class OutputReader:
     """One request's reader. ``read_tools=False`` (no tool parser): the tools
-    channel is text of the reply, its markup in place among the content."""
+    channel is text of the reply, its markup in place among the content.
+    ``grammar``: what a tag may hold for the request (its declared tools)."""
 
-    __slots__ = ("_reasoning", "_tools", "prose_chars")
+    __slots__ = ("_reasoning", "_thought_prose", "_tools", "prose_chars")
 
     def __init__(
         self,
@@ -54,11 +60,16 @@ class OutputReader:
         atoms: m.TextAtoms | m.IdAtoms | None = None,
         *,
         read_tools: bool = True,
+        grammar: TagGrammar = GENERIC_GRAMMAR,
     ) -> None:
-        self._reasoning = ReasoningReader(start=start, policy=policy, atoms=atoms)
-        self._tools = ToolCallReader(m.ALREADY_MARKED) if read_tools else None
+        self._reasoning = ReasoningReader(
+            start=start, policy=policy, atoms=atoms, grammar=grammar
+        )
+        self._tools = ToolCallReader(m.ALREADY_MARKED, grammar) if read_tools else None
         self.prose_chars = 0
         """Characters of text read in a tools channel outside any call."""
+        # In a tools channel that interrupted a thought, before its first call.
+        self._thought_prose = False
 
     @property
     def reasoning_reader(self) -> ReasoningReader:
@@ -83,16 +94,21 @@ class OutputReader:
             elif self._tools is None:
                 out.append(Content(m.unmarked(event.text)))
             else:
+                if event.thought is not None:
+                    self._thought_prose = event.thought
                 out += self._from_tools(self._tools.feed(event.text))
         return out
 
     def _from_tools(self, events: list) -> list[OutputEvent]:
         out: list[OutputEvent] = []
         for event in events:
-            if type(event) is Prose:
+            kind = type(event)
+            if kind is Prose:
                 self.prose_chars += len(event.text)
-                out.append(Content(event.text))
+                out.append((Reasoning if self._thought_prose else Content)(event.text))
             else:
+                if kind is CallOpened:
+                    self._thought_prose = False
                 out.append(event)
         return out
 
@@ -146,9 +162,10 @@ def read_output(
     ids: Sequence[int] | None = None,
     atoms: m.TextAtoms | m.IdAtoms | None = None,
     read_tools: bool = True,
+    grammar: TagGrammar = GENERIC_GRAMMAR,
 ) -> OutputReading:
     """The non-streaming read: the streaming reader fed the whole output once."""
-    reader = OutputReader(start, policy, atoms, read_tools=read_tools)
+    reader = OutputReader(start, policy, atoms, read_tools=read_tools, grammar=grammar)
     events = reader.feed(text, ids)
     events += reader.finish(stopped=stopped)
     return collect_output(events)

@@ -19,7 +19,8 @@ Channels and how they end:
   think block opened later (in the reply, in the tools channel) is reasoning until
   its exit, joined to the rest in order.
 - The tools channel is handed to the tool-call reader raw (``ToolMarkup``, marked),
-  from its opener to its closer.
+  from its opener to its closer; the markup that opens it says whether it
+  interrupted a thought.
 - Outside it, tags are read as the tool-call reader reads them: a control opener or
   closer, a tag (``xtml.TagText``), a separator. A complete tag is the marker its
   element spells, or dropped whole (an ``argument`` or ``json`` element outside a
@@ -49,7 +50,7 @@ from vllm_k3_plugin.format import marked as m
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.events import Content, ReaderEvent, Reasoning, ToolMarkup
 from vllm_k3_plugin.format.scanner import MarkerScanner
-from vllm_k3_plugin.format.xtml import TagText
+from vllm_k3_plugin.format.xtml import GENERIC_GRAMMAR, TagGrammar, TagText
 
 
 class Channel(enum.Enum):
@@ -156,6 +157,7 @@ class ReasoningReader:
         "_atoms",
         "_block_origin",
         "_events",
+        "_grammar",
         "_kept",
         "_kept_quoted",
         "_policy",
@@ -176,10 +178,12 @@ class ReasoningReader:
         start: Channel = Channel.THINK,
         policy: ReplayPolicy = ReplayPolicy.REPLAY,
         atoms: m.TextAtoms | m.IdAtoms | None = None,
+        grammar: TagGrammar = GENERIC_GRAMMAR,
     ) -> None:
         if start not in (Channel.THINK, Channel.RESPONSE):
             raise ValueError(f"an output starts in think or response, not {start}")
         self._atoms = atoms if atoms is not None else m.TextAtoms()
+        self._grammar = grammar
         self._scanner = MarkerScanner(MARKERS)
         self._state = _State.THINK if start is Channel.THINK else _State.REPLY_START
         self._policy = policy
@@ -368,10 +372,10 @@ class ReasoningReader:
 
     def _start_tag(self, marker: str) -> None:
         if marker == CALL_START:
-            self._tag = TagText(opener=True)
+            self._tag = TagText(opener=True, grammar=self._grammar)
             self._tag.add(marker[1:])
         else:
-            self._tag = TagText(opener=marker == m.OPEN)
+            self._tag = TagText(opener=marker == m.OPEN, grammar=self._grammar)
 
     def _end_tag(self, *, at_separator: bool) -> None:
         """The next atom came, or the text stopped reading as a tag: the marker its
@@ -430,13 +434,22 @@ class ReasoningReader:
         elif channel is Channel.RESPONSE:
             self._after_tools = _State.REPLY
         self._state = _State.TOOLS
-        self._push(ToolMarkup, markup)
+        self._flush()
+        thought = channel is Channel.THINK and self._after_tools is _State.THINK
+        self._events.append(ToolMarkup(markup, thought=thought))
 
     def _tools_marker(self, marker: str) -> None:
         if marker == THINK_START:
             # A think block between calls: reasoning; it ends any call open.
             self._push(ToolMarkup, marker)
             self._open_block(_State.TOOLS)
+            return
+        if marker in _THINK_EXITS and self._after_tools is _State.THINK:
+            # The thought the tools channel interrupted ends here: the reply
+            # follows the channel.
+            self._after_tools = _State.REPLY
+            self._flush()
+            self._events.append(ToolMarkup(marker, thought=False))
             return
         self._push(ToolMarkup, marker)
         if marker == TOOLS_END:

@@ -68,7 +68,7 @@ from vllm_k3_plugin.format.events import (
     Prose,
     ToolEvent,
 )
-from vllm_k3_plugin.format.xtml import TagText, parse_tag
+from vllm_k3_plugin.format.xtml import GENERIC_GRAMMAR, TagGrammar, TagText, parse_tag
 
 
 class ToolCall(NamedTuple):
@@ -144,7 +144,8 @@ def typed_value_json(raw: str) -> str:
 class ToolCallReader:
     """One request's tool-call reader. ``atoms``: how structure is told from text in
     what it is fed (``marked.TextAtoms`` if not given; ``marked.ALREADY_MARKED`` for
-    the reasoning reader's ``ToolMarkup``)."""
+    the reasoning reader's ``ToolMarkup``); ``grammar``: what a tag may hold for the
+    request (its declared tools)."""
 
     __slots__ = (
         "_args",
@@ -153,6 +154,7 @@ class ToolCallReader:
         "_call",
         "_count",
         "_events",
+        "_grammar",
         "_name",
         "_prose_words",
         "_run",
@@ -166,9 +168,12 @@ class ToolCallReader:
     )
 
     def __init__(
-        self, atoms: m.TextAtoms | m.IdAtoms | m.AlreadyMarked | None = None
+        self,
+        atoms: m.TextAtoms | m.IdAtoms | m.AlreadyMarked | None = None,
+        grammar: TagGrammar = GENERIC_GRAMMAR,
     ) -> None:
         self._atoms = atoms if atoms is not None else m.TextAtoms()
+        self._grammar = grammar
         self._state = _State.OUTSIDE
         self._count = 0
         self._call: int | None = None
@@ -261,7 +266,7 @@ class ToolCallReader:
             if mark == m.SEP:
                 return
         if mark == m.OPEN or mark == m.CLOSE:
-            self._tag = TagText(opener=mark == m.OPEN)
+            self._tag = TagText(opener=mark == m.OPEN, grammar=self._grammar)
         # A separator with no tag before it is framing: dropped. So is the stop
         # token's text (vLLM keeps it with ``include_stop_str_in_output``): the
         # output ends there, and a call still open is cut, never closed by it.

@@ -56,6 +56,7 @@ from vllm_k3_plugin.parsers.tool_parser import (
     declared_tool_names,
     function_calls,
     history_call_count,
+    tag_grammar,
 )
 
 
@@ -191,14 +192,21 @@ class K3Parser(DelegatingParser):
         return marked.atoms_for(known, self.k3_reasoning.atom_tokens)
 
     def _reader(
-        self, prompt_ids: Sequence[int] | None, ids: Sequence[int] | None
+        self, request: Any, prompt_ids: Sequence[int] | None, ids: Sequence[int] | None
     ) -> OutputReader | ReasoningReader:
         start, atoms = self._start(prompt_ids), self._atoms(ids)
+        grammar = tag_grammar(request)
         if self._tool_parser is None or self._reads_tools:
             return OutputReader(
-                start, self._policy, atoms, read_tools=self._tool_parser is not None
+                start,
+                self._policy,
+                atoms,
+                read_tools=self._tool_parser is not None,
+                grammar=grammar,
             )
-        return ReasoningReader(start=start, policy=self._policy, atoms=atoms)
+        return ReasoningReader(
+            start=start, policy=self._policy, atoms=atoms, grammar=grammar
+        )
 
     def _stopped(
         self, request: Any, *, last_id: int | None, output_len: int, prompt_len: int
@@ -230,7 +238,7 @@ class K3Parser(DelegatingParser):
         # ``enable_auto_tools`` is not consulted: a tool parser exists only when the
         # server enabled auto tool choice, and streaming never gets the flag.
         ids = model_output_token_ids
-        reader = self._reader(self._prompt_ids, ids)
+        reader = self._reader(request, self._prompt_ids, ids)
         stopped = self._stopped(
             request,
             last_id=ids[-1] if len(ids) else None,
@@ -299,7 +307,7 @@ class K3Parser(DelegatingParser):
             prompt_ids = prompt_token_ids or self._prompt_ids
             if prompt_token_ids is not None:
                 self._prompt_ids = prompt_token_ids
-            reader = self._reader(prompt_ids, None)
+            reader = self._reader(request, prompt_ids, None)
             stream = self._stream = _Stream(reader, len(prompt_ids or ()))
 
         events = (

@@ -53,6 +53,7 @@ from vllm_k3_plugin.format.reasoning import (
 from vllm_k3_plugin.format.tools import (
     ToolCall as ReadCall,
 )
+from vllm_k3_plugin.format.xtml import TagGrammar, grammar_for
 from vllm_k3_plugin.parsers.deltas import delta_message
 
 logger = init_logger("vllm.k3_plugin.tool_parser")
@@ -86,6 +87,27 @@ def declared_tool_names(request: Any) -> frozenset[str] | None:
         if isinstance(name, str):
             names.add(name)
     return frozenset(names)
+
+
+def tag_grammar(request: Any) -> TagGrammar:
+    """What a tag may hold for ``request``: the generic grammar, widened by a
+    declared tool name or argument key it refuses."""
+    names: list[str] = []
+    keys: list[str] = []
+    for tool in getattr(request, "tools", None) or ():
+        function = getattr(tool, "function", None)
+        name = getattr(function, "name", None) or getattr(tool, "name", None)
+        if isinstance(name, str):
+            names.append(name)
+        parameters = getattr(function, "parameters", None)
+        if parameters is None:
+            parameters = getattr(tool, "parameters", None)
+        properties = (
+            parameters.get("properties") if isinstance(parameters, dict) else None
+        )
+        if isinstance(properties, dict):
+            keys += (key for key in properties if isinstance(key, str))
+    return grammar_for(names, keys)
 
 
 class UndeclaredTools:
@@ -223,7 +245,7 @@ class K3ToolParser(KimiK3ToolParser):
         # Read as the bare streaming API reads (it never learns how the output
         # ended, nor has the whole read its ids): text alone, a think channel's text
         # once, as it would stream live.
-        reader = OutputReader(start=Channel.RESPONSE)
+        reader = OutputReader(start=Channel.RESPONSE, grammar=tag_grammar(request))
         reading = collect_output(
             reader.feed(model_output) + reader.finish(stopped=False)
         )
@@ -256,7 +278,9 @@ class K3ToolParser(KimiK3ToolParser):
         # The bare API never says the output ended: a marker cut off at the very end
         # stays held (it is never content either way).
         if self._bare_reader is None:
-            self._bare_reader = OutputReader(start=Channel.RESPONSE)
+            self._bare_reader = OutputReader(
+                start=Channel.RESPONSE, grammar=tag_grammar(request)
+            )
             self._bare_calls = ToolCallDeltas(request, history_call_count(request))
         events = self._bare_reader.feed(delta_text)
         content = "".join(
