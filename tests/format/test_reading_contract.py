@@ -6,8 +6,13 @@ and one token at a time, with how it ended.
 
 from __future__ import annotations
 
+import pytest
+
+from tests.support.expected_tools import NO_CALL_SHAPES
 from tests.support.k3_ids import Control, encode, id_atoms, token_chunks
 from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.events import Content
+from vllm_k3_plugin.format.marked import TextAtoms
 from vllm_k3_plugin.format.output import (
     OutputReader,
     OutputReading,
@@ -16,6 +21,7 @@ from vllm_k3_plugin.format.output import (
 )
 from vllm_k3_plugin.format.reasoning import Channel
 from vllm_k3_plugin.format.tools import ToolCall
+from vllm_k3_plugin.tools.shapes import RUNAWAY_PROSE, SHAPES, output_ids
 
 OPEN, CLOSE, SEP = vocab.OPEN, vocab.CLOSE, vocab.SEP
 THINK, RESPONSE = Channel.THINK, Channel.RESPONSE
@@ -278,3 +284,79 @@ def test_9_the_stop_token_text_never_closes_a_call():
     events = reader.feed(text + vocab.END_OF_MSG, ids) + reader.finish(stopped=True)
     (call,) = collect_output(events).calls
     assert (call.arguments, call.complete) == ('{"cmd": "rm -rf /', False)
+
+
+# -- rule 6: openers that open nothing, read every way ------------------------------
+
+
+def _read_chunks(start: Channel, chunks, atoms) -> OutputReading:
+    reader = OutputReader(start, atoms=atoms)
+    events = [event for chunk in chunks for event in reader.feed(*chunk)]
+    return collect_output(events + reader.finish(stopped=True))
+
+
+@pytest.mark.parametrize("shape", sorted(NO_CALL_SHAPES))
+def test_6_an_opener_that_opens_nothing_reads_the_same_every_way(shape):
+    output, thinking, _ = SHAPES[shape]
+    start = THINK if thinking else RESPONSE
+    want = NO_CALL_SHAPES[shape]
+    ids = output_ids(output, stop=True)
+    text = "".join(chunk for chunk, _ in token_chunks(ids))
+    tokens = token_chunks(ids)
+    ways = {"whole": [(text, ids)], "token by token": tokens}
+    # Every split of the ids in two (as the engine hands over tokens), and every
+    # split of the text in two read from the text alone (a saved output).
+    for at in range(1, len(tokens)):
+        ways[f"ids split at token {at}"] = [
+            ("".join(t for t, _ in tokens[:at]), ids[:at]),
+            ("".join(t for t, _ in tokens[at:]), ids[at:]),
+        ]
+    for way, chunks in ways.items():
+        reading = _read_chunks(start, chunks, id_atoms())
+        assert (reading.reasoning, reading.content, reading.calls) == (*want, []), way
+    plain = output  # atoms as their strings: structure read from the text
+    for at in range(len(plain) + 1):
+        chunks = [(plain[:at], None), (plain[at:], None)]
+        reading = _read_chunks(start, chunks, TextAtoms())
+        assert (reading.reasoning, reading.content, reading.calls) == (*want, []), at
+    reading = _read_chunks(start, [(ch, None) for ch in plain], TextAtoms())
+    assert (reading.reasoning, reading.content, reading.calls) == (*want, [])
+
+
+@pytest.mark.parametrize(
+    "shape", ["runaway-call-opener", "runaway-call-opener-in-tools"]
+)
+def test_6_prose_after_a_runaway_opener_streams_as_it_comes(shape):
+    """The text after a call opener whose tool name runs into prose streams as it
+    is written (the tag is decided within the token that shows it is none), never
+    held to the end of the output."""
+    ids = output_ids(SHAPES[shape].output, stop=True)
+    reader = OutputReader(RESPONSE, atoms=id_atoms())
+    written, sent = "", []
+    for chunk_text, chunk_ids in token_chunks(ids):
+        written += chunk_text
+        sent += [
+            e.text for e in reader.feed(chunk_text, chunk_ids) if type(e) is Content
+        ]
+        if written.endswith(RUNAWAY_PROSE):
+            break
+    assert "".join(sent).endswith('call tool="search' + RUNAWAY_PROSE)
+
+
+def test_held_chars_is_what_may_still_reach_the_client():
+    """The lag measure (``benchmarks/bench_lag.py``): a tag being read is held
+    until it is decided, then its text is sent or it is framing."""
+    reader = OutputReader(RESPONSE)
+    reader.feed("Hi." + OPEN + 'call tool="sea')
+    assert reader.held_chars == len('call tool="sea')
+    reader.feed("rch")
+    assert reader.held_chars == len('call tool="search')
+    sent = reader.feed(" and then")
+    assert reader.held_chars == 0
+    assert [e.text for e in sent if type(e) is Content] == [
+        'call tool="search and then'
+    ]
+    reader.feed(OPEN + 'call tool="f" index="1"' + SEP)
+    assert reader.held_chars == len("f")  # the name, until the call is confirmed
+    reader.feed(OPEN + 'argument key="a" type="number"' + SEP + "12")
+    assert (reader.held_chars, reader.held_value_chars) == (0, 2)

@@ -18,7 +18,12 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.tool_parsers import ToolParserManager
 
 import vllm_k3_plugin
-from tests.support.expected_tools import TOOL_SHAPES, WEATHER, history_with_calls
+from tests.support.expected_tools import (
+    NO_CALL_SHAPES,
+    TOOL_SHAPES,
+    WEATHER,
+    history_with_calls,
+)
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_tools
 from vllm_k3_plugin.parsers.tool_parser import K3ToolParser
@@ -71,6 +76,19 @@ def test_tools_channel_anywhere(hf_tokenizer, shape):
         reasoning,
         content,
         calls,
+    )
+    assert streamed == whole
+
+
+@pytest.mark.parametrize("shape", sorted(NO_CALL_SHAPES))
+def test_an_opener_that_opens_nothing_keeps_its_text(hf_tokenizer, shape):
+    output, thinking, _ = SHAPES[shape]
+    whole, streamed = _both(
+        hf_tokenizer, _ids(hf_tokenizer, output), _request(), thinking
+    )
+    assert (whole.reasoning, whole.content, whole.tool_calls) == (
+        *NO_CALL_SHAPES[shape],
+        (),
     )
     assert streamed == whole
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import json
 
-from vllm_k3_plugin.tools.shapes import FILE_ARGUMENTS, RAW_ARGUMENTS, SKIPPED_REPLY
+from vllm_k3_plugin.tools.shapes import (
+    FILE_ARGUMENTS,
+    RAW_ARGUMENTS,
+    RUNAWAY_PROSE,
+    SKIPPED_REPLY,
+    UNFINISHED_CALL_THOUGHT,
+)
 
 WEATHER = ("get_weather", '{"city": "Paris"}')
 MULTI = (
@@ -22,6 +28,21 @@ TOOL_SHAPES = {
     "prose-between-calls": ("", "Then again:\nDone.", (WEATHER, WEATHER)),
     "think-between-calls": ("Need data. Between. Resumed.", "Final.", (WEATHER,)),
     "markup-in-value": ("", "", (("get_weather", '{"city": "Par"}'), WEATHER)),
+}
+
+
+# Shapes with a call opener that opens no call: ``(reasoning, content)``. The
+# opener's atom is dropped; the text after it stays where it was written.
+NO_CALL_SHAPES = {
+    "runaway-call-opener": ("", 'Let me answer.call tool="search' + RUNAWAY_PROSE),
+    "runaway-call-opener-in-tools": (
+        "",
+        'Let me answer.call tool="search' + RUNAWAY_PROSE,
+    ),
+    "think-text-in-unfinished-call": (
+        "I could emit " + UNFINISHED_CALL_THOUGHT,
+        "Answer.",
+    ),
 }
 
 

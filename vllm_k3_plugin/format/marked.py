@@ -114,6 +114,11 @@ class _HeldTail:
         self._held = buf[cut:]
         return buf[:cut], True
 
+    @property
+    def held_chars(self) -> int:
+        """Characters held that may still be text (the start of an atom string)."""
+        return len(self._held)
+
     def finish(self) -> str:
         """The held suffix: the start of an atom that never came, so text (after a
         held stop mark, which is dropped when nothing follows it)."""
@@ -295,6 +300,8 @@ class AlreadyMarked:
 
     def mark(self, text: str, ids: Sequence[int] | None = None) -> str:
         return text
+
+    held_chars = 0
 
     def finish(self) -> str:
         return ""

@@ -75,6 +75,17 @@ class OutputReader:
     def reasoning_reader(self) -> ReasoningReader:
         return self._reasoning
 
+    @property
+    def held_chars(self) -> int:
+        """Characters the model wrote that the client has not been sent and that
+        may still reach it, but a typed argument value (``held_value_chars``)."""
+        held = self._reasoning.held_chars
+        return held + (self._tools.held_chars if self._tools is not None else 0)
+
+    @property
+    def held_value_chars(self) -> int:
+        return self._tools.held_value_chars if self._tools is not None else 0
+
     def feed(self, text: str, ids: Sequence[int] | None = None) -> list[OutputEvent]:
         return self._route(self._reasoning.feed(text, ids))
 

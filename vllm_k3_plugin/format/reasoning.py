@@ -26,8 +26,8 @@ Channels and how they end:
   element spells, or dropped whole (an ``argument`` or ``json`` element outside a
   call, an unknown element); a closer the next atom interrupts is complete without
   its separator (``<|close|>think`` then the next channel); text that stops reading
-  as a tag is text where it stands, its atom dropped. Bound: a tag is held at most
-  ``xtml.MAX_TAG_CHARS``.
+  as a tag (``xtml.TagGrammar``) is text where it stands, its atom dropped. Bound: a
+  tag is held at most the grammar's ``max_tag_chars``.
 
 Invariants:
 
@@ -228,6 +228,21 @@ class ReasoningReader:
     def replayed(self) -> bool:
         """Whether a skipped think channel was read as the reply (rule 4)."""
         return self._replayed
+
+    @property
+    def held_chars(self) -> int:
+        """Characters read that are neither sent nor decided framing yet: what may
+        still reach the client (the streaming lag). Not counted: think text kept
+        under ``HOLD_BACK`` (the documented decision) and framing atoms."""
+        held = self._atoms.held_chars + len(self._scanner.held)
+        if self._tag is not None:
+            held += len(self._tag.text)
+        for pieces in (
+            self._tools_held[1:] if self._tools_held else (),
+            self._after_closer,
+        ):
+            held += sum(len(piece) for piece in pieces if piece.isspace())
+        return held
 
     @property
     def in_reasoning(self) -> bool:

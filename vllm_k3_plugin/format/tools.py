@@ -10,9 +10,10 @@ non-streaming ``arguments`` by construction.
 Elements are read generically: a control ``<|open|>`` or ``<|close|>``, a tag, and
 ``<|sep|>``. A tag is held until its separator; it is *not* a tag (its atom is
 dropped, its text is text where it stands) when its text stops reading as a tag
-(``NAME key="value" ...`` for an opener, ``NAME`` for a closer), when it passes
-``xtml.MAX_TAG_CHARS``, when another atom interrupts an opener, or when its
-separator comes before its last attribute is whole. A closer interrupted
+(``NAME key="value" ...`` for an opener, ``NAME`` for a closer, by the request's
+``xtml.TagGrammar``: bounded words, a tool name without whitespace), when another
+atom interrupts an opener, or when its separator comes before its last attribute is
+whole. A closer interrupted
 by the next atom is complete without its separator (seen in the wild).
 
 Reading rules:
@@ -42,8 +43,8 @@ Reading rules:
 - Text outside calls (between calls, after the last) is ``Prose``, with its own
   whitespace; a run of whitespace alone between elements is framing.
 
-Memory: a typed value (until its closer), a tag (at most ``xtml.MAX_TAG_CHARS``) and a
-run of whitespace between elements.
+Memory: a typed value (until its closer), a tag (at most the grammar's
+``max_tag_chars``) and a run of whitespace between elements.
 """
 
 from __future__ import annotations
@@ -202,6 +203,24 @@ class ToolCallReader:
         self._flush()
         self._events = []  # the caller's now: hold no reference to its text
         return events
+
+    @property
+    def held_chars(self) -> int:
+        """Characters read that are neither sent nor decided framing yet, but a
+        typed value (``held_value_chars``): a tag, whitespace between elements, a
+        call's name until the call is confirmed."""
+        held = sum(map(len, self._space))
+        if self._tag is not None:
+            held += len(self._tag.text)
+        if self._state is _State.NAMED:
+            held += len(self._name)
+        return held
+
+    @property
+    def held_value_chars(self) -> int:
+        """A typed argument value's characters, held to its closer (rule 8: sent
+        as JSON once whole)."""
+        return sum(map(len, self._typed))
 
     def finish(self) -> list[ToolEvent]:
         """End of the output: a tag still open is a cut marker (dropped); a call

@@ -99,6 +99,16 @@ MULTI_CALLS = render_tools(
     ]
 )
 _FINAL = RESPONSE_START + "Final." + RESPONSE_END + MESSAGE_END
+# A call opener whose tool name runs into prose (other engines' test shapes).
+RUNAWAY_OPENER = '<|open|>call tool="search'
+RUNAWAY_PROSE = (
+    " and then the parameters. I will look the city up first, then compare the"
+    " forecasts for the next three days, and only after that decide which of the"
+    " two trips makes sense; nothing here is a tool call, it is the plan written"
+    " out in words, long enough that a reader waiting for the tag to finish would"
+    " hold all of it back."
+)
+UNFINISHED_CALL_THOUGHT = "… but no."
 _CALL_OPEN = '<|open|>call tool="get_weather" index="1"<|sep|>'
 _CITY_OPEN = '<|open|>argument key="city" type="string"<|sep|>'
 
@@ -226,6 +236,35 @@ SHAPES: dict[str, Shape] = {
         + MESSAGE_END,
         False,
         "control markup inside a value: it ends the value and the call",
+    ),
+    "runaway-call-opener": Shape(
+        "Let me answer." + RUNAWAY_OPENER + RUNAWAY_PROSE,
+        False,
+        "a call opener in the reply whose tool name runs into prose to the end",
+    ),
+    "runaway-call-opener-in-tools": Shape(
+        "Let me answer."
+        + RESPONSE_END
+        + TOOLS_START
+        + RUNAWAY_OPENER
+        + RUNAWAY_PROSE
+        + TOOLS_END
+        + MESSAGE_END,
+        False,
+        "the same inside a tools channel",
+    ),
+    "think-text-in-unfinished-call": Shape(
+        "I could emit "
+        + TOOLS_START
+        + _CALL_OPEN
+        + UNFINISHED_CALL_THOUGHT
+        + THINK_END
+        + RESPONSE_START
+        + "Answer."
+        + RESPONSE_END
+        + MESSAGE_END,
+        True,
+        "a tools channel in the thought holding a call opener and no argument",
     ),
     "thinking-off": Shape(
         "Hi there." + RESPONSE_END + MESSAGE_END, False, "thinking off, a plain reply"
