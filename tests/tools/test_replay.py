@@ -160,13 +160,15 @@ def test_replay_counts_what_the_contract_reads():
     report = summary.report()
     assert report["read_from_ids"] == summary.outputs
     # Outputs showing each, every shape ended by a stop and by a cut: BPE-spelled
-    # markers in two shapes, think blocks in two, text between calls in one. No
+    # markers in two shapes, think blocks in two, content in a tools channel in
+    # four (text between calls, and the three shapes whose call opener opened
+    # nothing: the words after it, or the reply after the thought's exit). No
     # shape ends inside a call (a cut there is served in test_server_tools).
     assert report["features"] == {
         "quoted markers": 4,
         "cut calls": 0,
         "resumed think channels": 4,
-        "text between calls": 2,
+        "text between calls": 8,
     }
 
 

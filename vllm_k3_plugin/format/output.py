@@ -67,7 +67,7 @@ class OutputReader:
         )
         self._tools = ToolCallReader(m.ALREADY_MARKED, grammar) if read_tools else None
         self.prose_chars = 0
-        """Characters of text read in a tools channel outside any call."""
+        """Characters of content read in a tools channel outside any call."""
         # In a tools channel that interrupted a thought, before its first call.
         self._thought_prose = False
 
@@ -115,8 +115,11 @@ class OutputReader:
         for event in events:
             kind = type(event)
             if kind is Prose:
-                self.prose_chars += len(event.text)
-                out.append((Reasoning if self._thought_prose else Content)(event.text))
+                if self._thought_prose:
+                    out.append(Reasoning(event.text))
+                else:
+                    self.prose_chars += len(event.text)
+                    out.append(Content(event.text))
             else:
                 if kind is CallOpened:
                     self._thought_prose = False

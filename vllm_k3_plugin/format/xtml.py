@@ -135,20 +135,21 @@ def grammar_for(tool_names: Iterable[str], keys: Iterable[str]) -> TagGrammar:
     return grammar if grammar.widened else GENERIC_GRAMMAR
 
 
-class _Shape(enum.Enum):
+class _Shape(enum.IntEnum):
     """Where a tag's text stands: ``NAME key="value" ...`` for an opener, ``NAME``
-    for a closer, either followed by whitespace."""
+    for a closer, either followed by whitespace. (Ints: the shapes key the tables
+    below, read per character run; an int hashes in C, an ``Enum`` in Python.)"""
 
-    START = "start"
-    NAME = "name"
-    GAP = "gap"  # whitespace after the name or a value: a key may follow
-    KEY = "key"
-    KEY_GAP = "key-gap"  # whitespace after a key: only "=" may follow
-    EQUALS = "equals"  # after "=": only the opening quote may follow
-    VALUE = "value"
-    VALUE_END = "value-end"  # after the closing quote: whitespace must follow
-    TRAIL = "trail"  # a closer's whitespace after its name
-    BROKEN = "broken"  # not a tag
+    START = 0
+    NAME = 1
+    GAP = 2  # whitespace after the name or a value: a key may follow
+    KEY = 3
+    KEY_GAP = 4  # whitespace after a key: only "=" may follow
+    EQUALS = 5  # after "=": only the opening quote may follow
+    VALUE = 6
+    VALUE_END = 7  # after the closing quote: whitespace must follow
+    TRAIL = 8  # a closer's whitespace after its name
+    BROKEN = 9  # not a tag
 
 
 _SPACE = re.compile(r"\s")
@@ -166,7 +167,11 @@ _RUN = {
     _Shape.TRAIL: re.compile(r"\s*"),
 }
 # Shapes whose text is bounded on its own: a name, an attribute's name, a value.
-_WORDS = frozenset({_Shape.NAME, _Shape.KEY, _Shape.VALUE})
+_IS_WORD = tuple(
+    shape in (_Shape.NAME, _Shape.KEY, _Shape.VALUE) for shape in sorted(_Shape)
+)
+# The bound of a value by its run; a widened run's values are checked whole.
+_VALUE_BOUNDS = {_TOKEN_VALUE: MAX_TOOL_NAME_CHARS, _KEY_VALUE: MAX_KEY_CHARS}
 _COMPLETE = frozenset({_Shape.NAME, _Shape.GAP, _Shape.VALUE_END, _Shape.TRAIL})
 _OPENER_MOVES = {
     _Shape.START: ((_NAME_START, _Shape.NAME),),
@@ -194,10 +199,12 @@ class TagText:
         "_attribute",
         "_chars",
         "_grammar",
+        "_max_chars",
         "_moves",
         "_pieces",
         "_shape",
         "_value_run",
+        "_word_bound",
         "_word_start",
         "opener",
     )
@@ -213,6 +220,8 @@ class TagText:
         # Where the current name, attribute name or value starts, and the attribute
         # whose value is read.
         self._word_start = 0
+        self._word_bound = MAX_NAME_CHARS
+        self._max_chars = grammar.max_tag_chars
         self._attribute = ""
         self._value_run = _TOKEN_VALUE
 
@@ -220,9 +229,9 @@ class TagText:
         """Append ``text``; whether the tag so far may still be a tag."""
         base = self._chars
         self._pieces.append(text)
-        self._chars += len(text)
+        self._chars = chars = base + len(text)
         shape = self._shape
-        if shape is _Shape.BROKEN or self._chars > self._grammar.max_tag_chars:
+        if shape is _Shape.BROKEN or chars > self._max_chars:
             self._shape = _Shape.BROKEN
             return False
         at, end = 0, len(text)
@@ -233,7 +242,9 @@ class TagText:
                 break
             for pattern, after in self._moves.get(shape, ()):
                 if pattern.match(text, at):
-                    if not self._move(shape, after, base + at):
+                    if (_IS_WORD[shape] or _IS_WORD[after]) and not self._move(
+                        shape, after, base + at
+                    ):
                         self._shape = _Shape.BROKEN
                         return False
                     shape = after
@@ -243,36 +254,33 @@ class TagText:
                 self._shape = _Shape.BROKEN
                 return False
         self._shape = shape
-        if shape in _WORDS and not self._word_fits(shape, self._chars, whole=False):
+        if _IS_WORD[shape] and not self._word_fits(chars, whole=False):
             self._shape = _Shape.BROKEN
             return False
         return True
 
     def _move(self, shape: _Shape, after: _Shape, at: int) -> bool:
         """Leave ``shape`` at the character ``at`` (absolute) for ``after``; whether
-        what ``shape`` read fits the grammar."""
-        if shape in _WORDS and not self._word_fits(shape, at, whole=True):
+        the word ``shape`` read (if it read one) fits the grammar."""
+        if _IS_WORD[shape] and not self._word_fits(at, whole=True):
             return False
         if shape is _Shape.KEY:
             self._attribute = self.text[self._word_start : at]
-        if after is _Shape.NAME or after is _Shape.KEY:
-            self._word_start = at  # the move's character starts the word
-        elif after is _Shape.VALUE:
+        if after is _Shape.VALUE:
             self._word_start = at + 1
-            self._value_run = self._grammar.value_run(self._attribute)
+            run = self._value_run = self._grammar.value_run(self._attribute)
+            self._word_bound = _VALUE_BOUNDS.get(run, -1)
+        elif _IS_WORD[after]:
+            self._word_start = at  # the move's character starts the word
+            self._word_bound = MAX_NAME_CHARS
         return True
 
-    def _word_fits(self, shape: _Shape, end: int, *, whole: bool) -> bool:
-        """Whether the word of ``shape`` up to ``end`` (absolute) fits; the run
-        already kept its characters to the grammar's."""
-        chars = end - self._word_start
-        if shape is not _Shape.VALUE:
-            return chars <= MAX_NAME_CHARS
-        run = self._value_run
-        if run is _TOKEN_VALUE:
-            return chars <= MAX_TOOL_NAME_CHARS
-        if run is _KEY_VALUE:
-            return chars <= MAX_KEY_CHARS
+    def _word_fits(self, end: int, *, whole: bool) -> bool:
+        """Whether the word read up to ``end`` (absolute) fits; its run already
+        kept its characters to the grammar's, but a value a declaration widened."""
+        bound = self._word_bound
+        if bound >= 0:
+            return end - self._word_start <= bound
         value = self.text[self._word_start : end]
         return self._grammar.value_fits(self._attribute, value, whole=whole)
 
