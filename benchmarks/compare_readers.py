@@ -2,8 +2,9 @@
 
 The format package imports only itself, so the other checkout's copy is loaded under
 another name beside ours, and both read the same outputs one token at a time,
-interleaved (A, B, A, B ...) with the collector off, best of ``--repeats``: machine
-drift falls on both alike, which two runs of ``bench_reasoning.py`` or
+interleaved (A B, B A, ...) with the collector off, in CPU time: the best of
+``--repeats`` each, and the median ratio of the pairs. Machine drift falls on both
+alike, which two runs of ``bench_reasoning.py`` or
 ``bench_tools.py`` apart do not give. Outputs: the benchmarks' 32,768-token thought,
 their 50- and 200-call tools channels and a 100 KB string argument.
 
@@ -17,6 +18,7 @@ import gc
 import importlib
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -80,11 +82,11 @@ def time_reader(output_module, marked_module, tokens, chunks) -> float:
         output_module.Channel.THINK, atoms=marked_module.IdAtoms(tokens)
     )
     feed = reader.feed
-    start = time.perf_counter()
+    start = time.process_time()
     for text, ids in chunks:
         feed(text, ids)
     reader.finish(stopped=True)
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
 
     other_output, other_marked = load_other(args.other)
     encoding = load_tiktoken_encoding()
-    print("| output | tokens | other, µs/token | this, µs/token | this / other |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| output | tokens | other, µs/token | this, µs/token | this / other, best "
+        "| this / other, median of pairs |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for name, (text, _) in outputs().items():
         chunks = token_chunks(encoding, output_ids(text, stop=False))
         readers = {
@@ -109,21 +114,27 @@ def main(argv: list[str] | None = None) -> int:
             for key, (_, module) in readers.items()
         }
         best = dict.fromkeys(readers, float("inf"))
+        ratios = []
+        order = list(readers)
         gc.disable()
         try:
             for _ in range(args.repeats):
-                for key, (output_module, marked_module) in readers.items():
-                    took = time_reader(
+                took = {}
+                for key in order:
+                    output_module, marked_module = readers[key]
+                    took[key] = time_reader(
                         output_module, marked_module, tokens[key], chunks
                     )
-                    best[key] = min(best[key], took)
+                    best[key] = min(best[key], took[key])
                     gc.collect()
+                ratios.append(took["this"] / took["other"])
+                order.reverse()  # A B, B A, ...: neither goes always first
         finally:
             gc.enable()
         per = {key: best[key] / len(chunks) * 1e6 for key in best}
         print(
             f"| {name} | {len(chunks)} | {per['other']:.2f} | {per['this']:.2f} "
-            f"| {per['this'] / per['other']:.2f} |"
+            f"| {per['this'] / per['other']:.2f} | {statistics.median(ratios):.2f} |"
         )
     return 0
 

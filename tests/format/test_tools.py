@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.support.k3_ids import Control, encode, id_atoms, token_chunks
@@ -114,7 +114,7 @@ _WHOLE = {
 }
 _PREFIX = {
     True: re.compile(
-        rf"(?:{_NAME}(?:\s+{_ATTR})*(?:\s+{_ATTR_PREFIX})?\s*)?"
+        rf"(?:{_NAME}(?:\s+{_ATTR})*(?:\s*|\s+{_ATTR_PREFIX}))?"
     ).fullmatch,
     False: re.compile(rf"(?:{_NAME}\s*)?").fullmatch,
 }
@@ -125,6 +125,8 @@ _PREFIX = {
     st.booleans(),
     st.lists(st.integers(1, 4), max_size=14),
 )
+@example('a b="c d', True, [1])  # a value's whitespace: no tag from there
+@example('a key="c d"', True, [2])  # but a key's
 def test_tag_text_reads_the_tag_grammar_in_any_chunking(text, opener, sizes):
     tag = TagText(opener=opener)
     at, may_grow = 0, True

@@ -10,7 +10,6 @@ for arguments that are not a JSON object); tests, the benchmarks and the corpus 
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -67,51 +66,76 @@ text after an atom is not a tag."""
 
 _TOKEN_VALUE = re.compile(r'[^"\s]*')
 _KEY_VALUE = re.compile(r'[^"\n]*')
-_ANY_VALUE = re.compile(r'[^"]*')
+
+# The grammar as patterns: a whole tag, and what may still grow into one.
+_NAME = rf"[A-Za-z_][\w.:-]{{0,{MAX_NAME_CHARS - 1}}}"
+_ATTRIBUTE_NAME = rf"[A-Za-z_][\w.-]{{0,{MAX_NAME_CHARS - 1}}}"
+_EQUALS = r'\s*=\s*"'
+_TOKEN = rf'[^"\s]{{0,{MAX_TOOL_NAME_CHARS}}}'
+_KEY = rf'[^"\n]{{0,{MAX_KEY_CHARS}}}'
+
+
+def _alternatives(generic: str, declared: tuple[str, ...], *, prefixes: bool) -> str:
+    """``generic`` or one of ``declared`` (escaped values), or a start of one."""
+    if not declared:
+        return generic
+    if prefixes:
+        literal = [
+            "".join(f"(?:{re.escape(ch)}" for ch in value) + ")?" * len(value)
+            for value in declared
+        ]
+    else:
+        literal = [re.escape(value) for value in declared]
+    return "(?:" + "|".join([generic, *literal]) + ")"
 
 
 class TagGrammar:
     """What a tag may hold for one request: the generic bounds, widened by the
     tools it declares (a declared name or key the generic grammar refuses: with
-    whitespace, or longer than its bound, as vLLM accepts any string)."""
+    whitespace, or longer than its bound, as vLLM accepts any string). Read as
+    patterns: each step of a tag matches its whole text so far (at most
+    ``max_tag_chars``) in one pass."""
 
-    __slots__ = ("_key_values", "_tool_names", "max_tag_chars")
+    __slots__ = (
+        "closer_prefix",
+        "closer_whole",
+        "max_tag_chars",
+        "opener_prefix",
+        "opener_whole",
+        "widened",
+    )
 
     def __init__(
         self, tool_names: Iterable[str] = (), keys: Iterable[str] = ()
     ) -> None:
-        self._tool_names = _widening(tool_names, _TOKEN_VALUE, MAX_TOOL_NAME_CHARS)
-        self._key_values = _widening(keys, _KEY_VALUE, MAX_KEY_CHARS)
-        self.max_tag_chars = _longest_tag(
-            max([MAX_TOOL_NAME_CHARS, *map(len, self._tool_names)]),
-            max([MAX_KEY_CHARS, *map(len, self._key_values)]),
-        )
-
-    def value_run(self, attribute: str) -> re.Pattern[str]:
-        """The characters a value of ``attribute`` may hold, read as it streams."""
-        if attribute == _TOOL_ATTRIBUTE:
-            return _ANY_VALUE if self._tool_names else _TOKEN_VALUE
-        if attribute == _KEY_ATTRIBUTE:
-            return _ANY_VALUE if self._key_values else _KEY_VALUE
-        return _TOKEN_VALUE
-
-    def value_fits(self, attribute: str, value: str, *, whole: bool) -> bool:
-        """Whether ``value`` (whole, or so far) is a tool name or key this request
-        allows (asked only where ``value_run`` widened the run)."""
-        if attribute == _TOOL_ATTRIBUTE:
-            run, bound, declared = _TOKEN_VALUE, MAX_TOOL_NAME_CHARS, self._tool_names
-        else:
-            run, bound, declared = _KEY_VALUE, MAX_KEY_CHARS, self._key_values
-        if len(value) <= bound and run.fullmatch(value) is not None:
-            return True
-        if whole:
-            return value in declared
-        return any(name.startswith(value) for name in declared)
-
-    @property
-    def widened(self) -> bool:
+        names = _widening(tool_names, _TOKEN_VALUE, MAX_TOOL_NAME_CHARS)
+        key_values = _widening(keys, _KEY_VALUE, MAX_KEY_CHARS)
+        self.widened = bool(names or key_values)
         """Whether a declared name or key widens the generic grammar."""
-        return bool(self._tool_names or self._key_values)
+        self.max_tag_chars = _longest_tag(
+            max([MAX_TOOL_NAME_CHARS, *map(len, names)]),
+            max([MAX_KEY_CHARS, *map(len, key_values)]),
+        )
+        tool_whole = _alternatives(_TOKEN, names, prefixes=False)
+        tool_growing = _alternatives(_TOKEN, names, prefixes=True)
+        key_whole = _alternatives(_KEY, key_values, prefixes=False)
+        key_growing = _alternatives(_KEY, key_values, prefixes=True)
+        whole = (
+            rf'(?:{_TOOL_ATTRIBUTE}{_EQUALS}{tool_whole}"'
+            rf'|{_KEY_ATTRIBUTE}{_EQUALS}{key_whole}"'
+            rf'|{_ATTRIBUTE_NAME}{_EQUALS}{_TOKEN}")'
+        )
+        growing = (
+            rf"(?:{_TOOL_ATTRIBUTE}{_EQUALS}{tool_growing}"
+            rf"|{_KEY_ATTRIBUTE}{_EQUALS}{key_growing}"
+            rf'|{_ATTRIBUTE_NAME}(?:\s*(?:=\s*(?:"{_TOKEN})?)?)?)'
+        )
+        self.opener_whole = re.compile(rf"{_NAME}(?:\s+{whole})*\s*").fullmatch
+        self.opener_prefix = re.compile(
+            rf"(?:{_NAME}(?:\s+{whole})*(?:\s*|\s+{growing}))?"
+        ).fullmatch
+        self.closer_whole = re.compile(rf"{_NAME}\s*").fullmatch
+        self.closer_prefix = re.compile(rf"(?:{_NAME}\s*)?").fullmatch
 
 
 def _widening(
@@ -135,158 +159,40 @@ def grammar_for(tool_names: Iterable[str], keys: Iterable[str]) -> TagGrammar:
     return grammar if grammar.widened else GENERIC_GRAMMAR
 
 
-class _Shape(enum.IntEnum):
-    """Where a tag's text stands: ``NAME key="value" ...`` for an opener, ``NAME``
-    for a closer, either followed by whitespace. (Ints: the shapes key the tables
-    below, read per character run; an int hashes in C, an ``Enum`` in Python.)"""
-
-    START = 0
-    NAME = 1
-    GAP = 2  # whitespace after the name or a value: a key may follow
-    KEY = 3
-    KEY_GAP = 4  # whitespace after a key: only "=" may follow
-    EQUALS = 5  # after "=": only the opening quote may follow
-    VALUE = 6
-    VALUE_END = 7  # after the closing quote: whitespace must follow
-    TRAIL = 8  # a closer's whitespace after its name
-    BROKEN = 9  # not a tag
-
-
-_SPACE = re.compile(r"\s")
-_NAME_START = re.compile(r"[A-Za-z_]")
-# The run of characters that keeps each shape; the character after it moves on. A
-# value's run depends on its attribute (``TagGrammar.value_run``).
-_RUN = {
-    _Shape.START: re.compile(""),
-    _Shape.NAME: re.compile(r"[\w.:-]*"),
-    _Shape.GAP: re.compile(r"\s*"),
-    _Shape.KEY: re.compile(r"[\w.-]*"),
-    _Shape.KEY_GAP: re.compile(r"\s*"),
-    _Shape.EQUALS: re.compile(r"\s*"),
-    _Shape.VALUE_END: re.compile(""),
-    _Shape.TRAIL: re.compile(r"\s*"),
-}
-# Shapes whose text is bounded on its own: a name, an attribute's name, a value.
-_IS_WORD = tuple(
-    shape in (_Shape.NAME, _Shape.KEY, _Shape.VALUE) for shape in sorted(_Shape)
-)
-# The bound of a value by its run; a widened run's values are checked whole.
-_VALUE_BOUNDS = {_TOKEN_VALUE: MAX_TOOL_NAME_CHARS, _KEY_VALUE: MAX_KEY_CHARS}
-_COMPLETE = frozenset({_Shape.NAME, _Shape.GAP, _Shape.VALUE_END, _Shape.TRAIL})
-_OPENER_MOVES = {
-    _Shape.START: ((_NAME_START, _Shape.NAME),),
-    _Shape.NAME: ((_SPACE, _Shape.GAP),),
-    _Shape.GAP: ((_NAME_START, _Shape.KEY),),
-    _Shape.KEY: ((_SPACE, _Shape.KEY_GAP), (re.compile("="), _Shape.EQUALS)),
-    _Shape.KEY_GAP: ((re.compile("="), _Shape.EQUALS),),
-    _Shape.EQUALS: ((re.compile('"'), _Shape.VALUE),),
-    _Shape.VALUE: ((re.compile('"'), _Shape.VALUE_END),),
-    _Shape.VALUE_END: ((_SPACE, _Shape.GAP),),
-}
-_CLOSER_MOVES = {
-    _Shape.START: ((_NAME_START, _Shape.NAME),),
-    _Shape.NAME: ((_SPACE, _Shape.TRAIL),),
-}
-
-
 class TagText:
-    """The text of one tag while it streams in, checked piece by piece against a
-    request's ``TagGrammar``: ``add`` says whether it may still be a tag, so a tag
-    running into prose is decided within the piece that shows it. Linear in its
-    length however it is fed; at most ``grammar.max_tag_chars`` characters."""
+    """The text of one tag while it streams in, checked against a request's
+    ``TagGrammar`` as each piece arrives: ``add`` says whether it may still be a
+    tag (an opener ``NAME key="value" ...``, a closer ``NAME``, either followed by
+    whitespace), so a tag running into prose is decided within the piece that shows
+    it. At most ``grammar.max_tag_chars`` characters, each step one match of the
+    tag so far: bounded work per piece."""
 
-    __slots__ = (
-        "_attribute",
-        "_chars",
-        "_grammar",
-        "_max_chars",
-        "_moves",
-        "_pieces",
-        "_shape",
-        "_value_run",
-        "_word_bound",
-        "_word_start",
-        "opener",
-    )
+    __slots__ = ("_broken", "_max_chars", "_prefix", "_text", "_whole", "opener")
 
     def __init__(self, *, opener: bool, grammar: TagGrammar = GENERIC_GRAMMAR) -> None:
         self.opener = opener
         """An opener's tag (``<|open|>``), else a closer's (``<|close|>``)."""
-        self._moves = _OPENER_MOVES if opener else _CLOSER_MOVES
-        self._grammar = grammar
-        self._shape = _Shape.START
-        self._pieces: list[str] = []
-        self._chars = 0
-        # Where the current name, attribute name or value starts, and the attribute
-        # whose value is read.
-        self._word_start = 0
-        self._word_bound = MAX_NAME_CHARS
+        if opener:
+            self._prefix, self._whole = grammar.opener_prefix, grammar.opener_whole
+        else:
+            self._prefix, self._whole = grammar.closer_prefix, grammar.closer_whole
         self._max_chars = grammar.max_tag_chars
-        self._attribute = ""
-        self._value_run = _TOKEN_VALUE
+        self._text = ""
+        self._broken = False
 
     def add(self, text: str) -> bool:
         """Append ``text``; whether the tag so far may still be a tag."""
-        base = self._chars
-        self._pieces.append(text)
-        self._chars = chars = base + len(text)
-        shape = self._shape
-        if shape is _Shape.BROKEN or chars > self._max_chars:
-            self._shape = _Shape.BROKEN
+        self._text = tag = self._text + text
+        if self._broken:
             return False
-        at, end = 0, len(text)
-        while True:
-            run = self._value_run if shape is _Shape.VALUE else _RUN[shape]
-            at = run.match(text, at).end()
-            if at == end:
-                break
-            for pattern, after in self._moves.get(shape, ()):
-                if pattern.match(text, at):
-                    if (_IS_WORD[shape] or _IS_WORD[after]) and not self._move(
-                        shape, after, base + at
-                    ):
-                        self._shape = _Shape.BROKEN
-                        return False
-                    shape = after
-                    at += 1
-                    break
-            else:
-                self._shape = _Shape.BROKEN
-                return False
-        self._shape = shape
-        if _IS_WORD[shape] and not self._word_fits(chars, whole=False):
-            self._shape = _Shape.BROKEN
+        if len(tag) > self._max_chars or self._prefix(tag) is None:
+            self._broken = True
             return False
         return True
-
-    def _move(self, shape: _Shape, after: _Shape, at: int) -> bool:
-        """Leave ``shape`` at the character ``at`` (absolute) for ``after``; whether
-        the word ``shape`` read (if it read one) fits the grammar."""
-        if _IS_WORD[shape] and not self._word_fits(at, whole=True):
-            return False
-        if shape is _Shape.KEY:
-            self._attribute = self.text[self._word_start : at]
-        if after is _Shape.VALUE:
-            self._word_start = at + 1
-            run = self._value_run = self._grammar.value_run(self._attribute)
-            self._word_bound = _VALUE_BOUNDS.get(run, -1)
-        elif _IS_WORD[after]:
-            self._word_start = at  # the move's character starts the word
-            self._word_bound = MAX_NAME_CHARS
-        return True
-
-    def _word_fits(self, end: int, *, whole: bool) -> bool:
-        """Whether the word read up to ``end`` (absolute) fits; its run already
-        kept its characters to the grammar's, but a value a declaration widened."""
-        bound = self._word_bound
-        if bound >= 0:
-            return end - self._word_start <= bound
-        value = self.text[self._word_start : end]
-        return self._grammar.value_fits(self._attribute, value, whole=whole)
 
     @property
     def text(self) -> str:
-        return "".join(self._pieces)
+        return self._text
 
     def ends_whole(self, *, at_separator: bool) -> bool:
         """Whether the tag is a whole element's tag when the next atom comes: at
@@ -297,7 +203,7 @@ class TagText:
     def complete(self) -> bool:
         """Whether the tag so far is a whole tag: a name, and only whole
         attributes after it."""
-        return self._shape in _COMPLETE
+        return not self._broken and self._whole(self._text) is not None
 
 
 def parse_tag(tag: str) -> tuple[str, dict[str, str]]:
