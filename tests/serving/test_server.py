@@ -12,7 +12,7 @@ import re
 import pytest
 
 from tests.support.endpoints import ENDPOINTS, chat, chat_stream
-from tests.support.expected_tools import TOOL_SHAPES
+from tests.support.expected_tools import NO_CALL_SHAPES, TOOL_SHAPES
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.vocab import RESPONSE_END
 from vllm_k3_plugin.tools.shapes import QUOTED_JSON, SHAPES, SKIPPED_REPLY, output_ids
@@ -39,6 +39,8 @@ EXPECTED = {
     "bpe-markers": (("", "Use " + QUOTED_JSON + " here."),) * 2,
     "thinking-off-self-opened-think": (("hmm", "Ok."),) * 2,
     "thinking-off-declined-think": (("", "Ok."),) * 2,
+    # A call opener that opens nothing: read alike however the output ended.
+    **{shape: (reading,) * 2 for shape, reading in NO_CALL_SHAPES.items()},
 }
 
 

@@ -13,13 +13,12 @@ import openai
 import pytest
 
 from tests.support.endpoints import ENDPOINTS, MODEL, PROMPT, chat, chat_stream
+from tests.support.expected_tools import TOOL_SHAPES as EXPECTED
+from tests.support.expected_tools import WEATHER as WEATHER_TEXT
 from tests.support.expected_tools import (
-    NO_CALL_SHAPES,
     assert_results_rendered_in_call_order,
     parsed,
 )
-from tests.support.expected_tools import TOOL_SHAPES as EXPECTED
-from tests.support.expected_tools import WEATHER as WEATHER_TEXT
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_call, render_tools
 from vllm_k3_plugin.parsers.serving_hooks import RAW_ARGUMENTS_KEY
@@ -40,7 +39,6 @@ TOOL_SHAPES = {
 MULTI = TOOL_SHAPES["reply-then-calls"][2]
 WEATHER = parsed([WEATHER_TEXT])[0]
 TOOLS_CALLED = {"chat": "tool_calls", "responses": "completed", "messages": "tool_use"}
-STOPPED = {"chat": "stop", "responses": "completed", "messages": "end_turn"}
 
 
 def _ids(hf_tokenizer, output: str) -> list[int]:
@@ -67,25 +65,6 @@ def test_calls_on_every_endpoint(k3_server, hf_tokenizer, shape, endpoint):
     )
     assert reply.tool_call_ids == _expected_ids(calls)
     assert reply.finish == TOOLS_CALLED[endpoint.removesuffix("-stream")]
-
-
-@pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
-@pytest.mark.parametrize("shape", sorted(NO_CALL_SHAPES))
-def test_an_opener_that_opens_nothing_on_every_endpoint(
-    k3_server, hf_tokenizer, shape, endpoint
-):
-    """A call opener running into prose, or followed by no argument in a thought:
-    no call, and its text where it was written, on all six readings."""
-    output, thinking, _ = SHAPES[shape]
-    ids = _ids(hf_tokenizer, output)
-    reply = ENDPOINTS[endpoint](
-        k3_server, ids, max_tokens=len(ids) + 8, thinking=thinking, tools=TOOLS
-    )
-    assert (reply.reasoning, reply.content, reply.tool_calls) == (
-        *NO_CALL_SHAPES[shape],
-        (),
-    )
-    assert reply.finish == STOPPED[endpoint.removesuffix("-stream")]
 
 
 @pytest.mark.parametrize("read", [chat, chat_stream], ids=["chat", "chat-stream"])
