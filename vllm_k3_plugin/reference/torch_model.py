@@ -28,6 +28,7 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     gate_lower_bound,
     situ_betas,
 )
+from vllm_k3_plugin.reference.dsa import Indexer, dsa_settings
 
 
 @dataclass
@@ -39,6 +40,8 @@ class SequenceState:
         default_factory=dict
     )
     mla: dict[int, torch.Tensor] = field(default_factory=dict)
+    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per DSA layer, the indexer key of every token so far (K3.1)."""
     length: int = 0
 
 
@@ -124,7 +127,8 @@ class KdaAttention(nn.Module):
 
 
 class GatedMla(nn.Module):
-    """Multi-head latent attention without positions, with a sigmoid output gate."""
+    """Multi-head latent attention without positions, with a sigmoid output gate;
+    on a K3.1 DSA layer, each query attends to the positions its indexer picks."""
 
     def __init__(self, config: dict[str, Any], layer: int) -> None:
         super().__init__()
@@ -143,10 +147,14 @@ class GatedMla(nn.Module):
         self.kv_b_proj = _linear(self.kv_rank, self.heads * (self.nope + self.v_dim))
         self.g_proj = _linear(hidden, self.heads * self.v_dim)
         self.o_proj = _linear(self.heads * self.v_dim, hidden)
+        dsa = dsa_settings(config)
+        if dsa is not None and layer + 1 in dsa["dsa_layers"]:
+            self.indexer = Indexer(config, dsa)
 
     def forward(self, x: torch.Tensor, state: SequenceState) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent)
         q = q.float().reshape(tokens, self.heads, self.nope + self.rope)
         latent = self.kv_a_proj_with_mqa(x).float()
         c_kv = ref.rms_norm(
@@ -171,10 +179,18 @@ class GatedMla(nn.Module):
         v = kv[..., self.nope :]
         scores = torch.einsum("thd,shd->hts", q, k) * (self.nope + self.rope) ** -0.5
         past = cache.shape[0] - tokens
-        allowed = (
-            torch.arange(cache.shape[0])[None, :]
-            <= (past + torch.arange(tokens))[:, None]
-        )
+        if hasattr(self, "indexer"):
+            keys = self.indexer.keys(x)
+            previous_keys = state.index_keys.get(self.layer)
+            if previous_keys is not None:
+                keys = torch.cat([previous_keys, keys])
+            state.index_keys[self.layer] = keys
+            allowed = self.indexer.select(x, q_latent, keys, past)
+        else:
+            allowed = (
+                torch.arange(cache.shape[0])[None, :]
+                <= (past + torch.arange(tokens))[:, None]
+            )
         scores = scores.masked_fill(~allowed, float("-inf"))
         o = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v)
         gate = torch.sigmoid(self.g_proj(x).float()).reshape(

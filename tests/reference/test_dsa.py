@@ -1,0 +1,144 @@
+"""DeepSeek Sparse Attention in the plain-PyTorch reference (Kimi-K3.1's MLA layers).
+
+The selection is checked on hand-written scores; the indexer's scores against the
+formula written out term by term; MLA over a selection against dense MLA over a
+sequence holding just the selected positions (K3's MLA has no positions, so the two
+are the same attention); and a layer whose top-k covers every position against the
+dense layer with the same weights.
+
+Tolerance: 1e-5 absolute on outputs of magnitude ~0.1: the same fp32 math summed in
+another order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.tensors import assert_close
+from vllm_k3_plugin.reference.dsa import (
+    DsaConfigError,
+    causal_topk,
+    dsa_settings,
+    index_scores,
+)
+from vllm_k3_plugin.reference.torch_model import GatedMla, SequenceState
+from vllm_k3_plugin.tools.tiny import tiny_text_config
+
+MLA_LAYER = 2  # from 0: the tiny model's first MLA layer (3 counted from 1)
+
+
+def _config(topk: int | None) -> dict:
+    config = tiny_text_config()
+    if topk is not None:
+        config["dsa_config"] = {
+            "dsa_layers": [3, 6],
+            "index_topk": topk,
+            "index_head_dim": 16,
+            "index_num_heads": 4,
+            "index_rope_dim": 0,
+            "index_k_norm_type": "layernorm",
+        }
+    return config
+
+
+def _layer(topk: int | None, seed: int = 0) -> GatedMla:
+    torch.manual_seed(seed)
+    layer = GatedMla(_config(topk), MLA_LAYER)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.normal_(0.0, 0.2)
+    return layer
+
+
+def test_causal_topk_on_hand_written_scores():
+    # Queries at positions 2, 3, 4 (two earlier positions cached), top 2.
+    scores = torch.tensor(
+        [
+            [0.5, 0.9, 0.1, 9.0, 9.0],  # sees 0..2: 1 and 0
+            [0.3, 0.3, 0.3, 0.2, 9.0],  # sees 0..3: a three-way tie, earliest win
+            [0.0, 0.1, 0.7, 0.2, 0.6],  # sees 0..4: 2 and 4
+        ]
+    )
+    assert causal_topk(scores, past=2, topk=2).tolist() == [
+        [True, True, False, False, False],
+        [True, True, False, False, False],
+        [False, False, True, False, True],
+    ]
+    # A query that sees fewer positions than top-k attends to all it sees.
+    assert causal_topk(scores[:1], past=0, topk=2).tolist() == [
+        [True, False, False, False, False]
+    ]
+
+
+def test_index_scores_are_the_formula_term_by_term():
+    torch.manual_seed(1)
+    q, k, w = torch.randn(3, 4, 8), torch.randn(5, 8), torch.randn(3, 4)
+    want = torch.zeros(3, 5)
+    for t in range(3):
+        for s in range(5):
+            for h in range(4):
+                want[t, s] += w[t, h] * max(float(q[t, h] @ k[s]), 0.0)
+    want *= 8**-0.5 * 4**-0.5
+    assert_close(index_scores(q, k, w), want, atol=1e-5, rtol=1e-5, what="scores")
+
+
+def test_top_k_covering_every_position_is_dense_mla():
+    x = torch.randn(12, 64) * 0.5
+    dense, sparse = _layer(None), _layer(12)
+    sparse.load_state_dict(
+        dense.state_dict() | sparse.indexer.state_dict(prefix="indexer.")
+    )
+    with torch.no_grad():
+        want = dense(x, SequenceState())
+        got = sparse(x, SequenceState())
+        assert_close(got, want, atol=1e-5, rtol=1e-5, what="dsa output")
+        # With fewer positions than the prompt's, the two differ: the check can fail.
+        narrow = _layer(3)
+        narrow.load_state_dict(sparse.state_dict())
+        assert not torch.allclose(narrow(x, SequenceState()), want, atol=1e-3)
+
+
+def test_mla_over_a_selection_is_dense_mla_over_those_positions(monkeypatch):
+    x = torch.randn(8, 64) * 0.5
+    layer = _layer(3)
+    # A hand-built selection: each query attends to itself and to at most two
+    # earlier positions, not the ones the indexer would pick.
+    chosen = {t: sorted({t, t // 2, max(t - 3, 0)}) for t in range(8)}
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    for t, positions in chosen.items():
+        mask[t, positions] = True
+    monkeypatch.setattr(layer.indexer, "select", lambda *args: mask)
+    dense = _layer(None)
+    dense.load_state_dict(
+        {k: v for k, v in layer.state_dict().items() if not k.startswith("indexer.")}
+    )
+    with torch.no_grad():
+        got = layer(x, SequenceState())
+        for t, positions in chosen.items():
+            # The query is the last of its positions: dense MLA's last output.
+            want = dense(x[positions], SequenceState())[-1]
+            assert_close(got[t], want, atol=1e-5, rtol=1e-5, what=f"query {t}")
+
+
+def test_steps_after_a_prefill_read_the_cached_index_keys():
+    x = torch.randn(10, 64) * 0.5
+    layer = _layer(4)
+    with torch.no_grad():
+        whole = layer(x, SequenceState())
+        state = SequenceState()
+        pieces = [layer(x[:6], state)]
+        pieces += [layer(x[i : i + 1], state) for i in range(6, 10)]
+    assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=1e-5, what="steps")
+    assert state.index_keys[MLA_LAYER].shape == (10, 16)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("index_rope_dim", 64), ("index_topk_freq", 2), ("index_k_norm_type", "l2")],
+)
+def test_a_dsa_config_the_reference_cannot_honour_is_refused(field, value):
+    config = _config(8)
+    config["dsa_config"][field] = value
+    with pytest.raises(DsaConfigError, match=field):
+        dsa_settings(config)

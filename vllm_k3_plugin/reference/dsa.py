@@ -1,0 +1,150 @@
+"""DeepSeek Sparse Attention as Kimi-K3.1 puts it on its MLA layers, in plain PyTorch.
+
+A lightning indexer scores every cached position for each query; the query then
+attends only to its ``index_topk`` best positions among those it may see. For query
+``t`` and position ``s``, with ``H`` index heads of width ``D``:
+
+    score[t, s] = D^-1/2 H^-1/2 * sum_h w[t, h] * relu(q[t, h] . k[s])
+
+``q = wq_b(q latent)`` (the MLA query latent after its norm), ``k = k_norm(wk(x))``
+(one key shared by the heads, kept per position like the MLA latent), ``w =
+weights_proj(x)``. K3.1 gives the indexer no positions (``index_rope_dim`` 0). Read
+from vLLM 0.34's ``models/kimi_k3/nvidia/dsa.py`` and
+``transformers_utils/configs/kimi_linear.py`` (``dsa_config``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_k3_plugin.reference import reference as ref
+
+_K_NORMS = ("rmsnorm", "layernorm")
+
+
+class DsaConfigError(ValueError):
+    """A ``dsa_config`` this reference cannot honour (it never reads one as dense)."""
+
+
+def dsa_settings(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The text config's ``dsa_config``, checked; ``None`` for a dense model."""
+    dsa = config.get("dsa_config")
+    if dsa is None:
+        return None
+    dsa = dict(dsa)
+    if "dsa_layers" not in dsa and "layers" in dsa:
+        dsa["dsa_layers"] = dsa.pop("layers")
+    problems = []
+    if dsa.get("index_rope_dim", 0) != 0:
+        problems.append(f"index_rope_dim {dsa['index_rope_dim']} (K3.1 has 0)")
+    if dsa.get("index_topk_freq", 1) != 1:
+        problems.append(f"index_topk_freq {dsa['index_topk_freq']} (index share)")
+    if dsa.get("index_k_norm_type", "rmsnorm") not in _K_NORMS:
+        problems.append(f"index_k_norm_type {dsa['index_k_norm_type']!r}")
+    if int(dsa.get("index_topk", 2048)) < 1:
+        problems.append(f"index_topk {dsa['index_topk']}")
+    if problems:
+        raise DsaConfigError("dsa_config not supported: " + "; ".join(problems))
+    return {
+        "dsa_layers": frozenset(dsa.get("dsa_layers", ())),
+        "index_topk": int(dsa.get("index_topk", 2048)),
+        "index_head_dim": int(dsa.get("index_head_dim", 64)),
+        "index_num_heads": int(dsa.get("index_num_heads", 16)),
+        "index_k_norm_type": dsa.get("index_k_norm_type", "rmsnorm"),
+    }
+
+
+def is_dsa_layer(config: dict[str, Any], layer: int) -> bool:
+    """Whether layer ``layer`` (from 0) has DSA: ``dsa_layers`` counts from 1."""
+    dsa = dsa_settings(config)
+    return dsa is not None and layer + 1 in dsa["dsa_layers"]
+
+
+def index_scores(
+    index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``[T, H, D]`` queries, ``[S, D]`` keys and ``[T, H]`` head weights: the
+    ``[T, S]`` scores (fp32)."""
+    heads, dim = index_q.shape[1], index_q.shape[2]
+    dots = torch.relu(torch.einsum("thd,sd->ths", index_q.float(), index_k.float()))
+    scale = dim**-0.5 * heads**-0.5
+    return torch.einsum("ths,th->ts", dots, weights.float()) * scale
+
+
+def causal_topk(scores: torch.Tensor, past: int, topk: int) -> torch.Tensor:
+    """``[T, S]`` scores of queries at positions ``past ..`` against positions
+    ``0 .. S-1``: the ``[T, S]`` mask of the positions each query attends to, its
+    ``topk`` best among those it may see (all of them when it sees fewer). Ties go
+    to the earlier position."""
+    tokens, positions = scores.shape
+    visible = torch.arange(positions)[None, :] <= (past + torch.arange(tokens))[:, None]
+    ranked = scores.float().masked_fill(~visible, float("-inf"))
+    # A stable sort keeps equal scores in position order; hidden positions last.
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    keep = torch.clamp(visible.sum(dim=-1, keepdim=True), max=topk)
+    chosen = torch.arange(positions)[None, :] < keep
+    selected = torch.zeros_like(visible)
+    selected.scatter_(1, order, chosen)
+    return selected
+
+
+class LayerNormK(nn.Module):
+    """The bias-full fp32 LayerNorm of the indexer key (``index_k_norm_type``
+    ``layernorm``)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(
+            x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps
+        )
+
+
+class RmsNormK(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ref.rms_norm(x, self.weight, self.eps)
+
+
+class Indexer(nn.Module):
+    """``self_attn.indexer.*`` of a K3.1 MLA layer, names as in the checkpoint."""
+
+    def __init__(self, config: dict[str, Any], dsa: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+        self.heads, self.dim = dsa["index_num_heads"], dsa["index_head_dim"]
+        self.topk = dsa["index_topk"]
+        self.wq_b = nn.Linear(config["q_lora_rank"], self.heads * self.dim, bias=False)
+        self.wk = nn.Linear(hidden, self.dim, bias=False)
+        self.weights_proj = nn.Linear(hidden, self.heads, bias=False)
+        norm = LayerNormK if dsa["index_k_norm_type"] == "layernorm" else RmsNormK
+        self.k_norm = norm(self.dim, eps)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """The keys of new positions, to cache (``[T, D]``, fp32)."""
+        return self.k_norm(self.wk(x)).float()
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        keys: torch.Tensor,
+        past: int,
+    ) -> torch.Tensor:
+        """The ``[T, S]`` mask of the positions each new query attends to, given
+        every cached key (``keys``, ``[S, D]``, the new ones last)."""
+        tokens = x.shape[0]
+        index_q = self.wq_b(q_latent).reshape(tokens, self.heads, self.dim)
+        scores = index_scores(index_q, keys, self.weights_proj(x))
+        return causal_topk(scores, past, self.topk)
