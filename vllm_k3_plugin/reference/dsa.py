@@ -1,4 +1,5 @@
-"""DeepSeek Sparse Attention as Kimi-K3.1 puts it on its MLA layers, in plain PyTorch.
+"""DeepSeek Sparse Attention as Kimi-K3.1 puts it on its MLA layers, in plain PyTorch
+(the indexer module itself is ``torch_model.Indexer``).
 
 A lightning indexer scores every cached position for each query; the query then
 attends only to its ``index_topk`` best positions among those it may see. For query
@@ -18,9 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-
-from vllm_k3_plugin.reference import reference as ref
 
 _K_NORMS = ("rmsnorm", "layernorm")
 
@@ -89,62 +87,3 @@ def causal_topk(scores: torch.Tensor, past: int, topk: int) -> torch.Tensor:
     selected = torch.zeros_like(visible)
     selected.scatter_(1, order, chosen)
     return selected
-
-
-class LayerNormK(nn.Module):
-    """The bias-full fp32 LayerNorm of the indexer key (``index_k_norm_type``
-    ``layernorm``)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.bias = nn.Parameter(torch.zeros(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.layer_norm(
-            x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps
-        )
-
-
-class RmsNormK(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ref.rms_norm(x, self.weight, self.eps)
-
-
-class Indexer(nn.Module):
-    """``self_attn.indexer.*`` of a K3.1 MLA layer, names as in the checkpoint."""
-
-    def __init__(self, config: dict[str, Any], dsa: dict[str, Any]) -> None:
-        super().__init__()
-        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
-        self.heads, self.dim = dsa["index_num_heads"], dsa["index_head_dim"]
-        self.topk = dsa["index_topk"]
-        self.wq_b = nn.Linear(config["q_lora_rank"], self.heads * self.dim, bias=False)
-        self.wk = nn.Linear(hidden, self.dim, bias=False)
-        self.weights_proj = nn.Linear(hidden, self.heads, bias=False)
-        norm = LayerNormK if dsa["index_k_norm_type"] == "layernorm" else RmsNormK
-        self.k_norm = norm(self.dim, eps)
-
-    def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """The keys of new positions, to cache (``[T, D]``, fp32)."""
-        return self.k_norm(self.wk(x)).float()
-
-    def select(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        keys: torch.Tensor,
-        past: int,
-    ) -> torch.Tensor:
-        """The ``[T, S]`` mask of the positions each new query attends to, given
-        every cached key (``keys``, ``[S, D]``, the new ones last)."""
-        tokens = x.shape[0]
-        index_q = self.wq_b(q_latent).reshape(tokens, self.heads, self.dim)
-        scores = index_scores(index_q, keys, self.weights_proj(x))
-        return causal_topk(scores, past, self.topk)

@@ -28,7 +28,7 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     gate_lower_bound,
     situ_betas,
 )
-from vllm_k3_plugin.reference.dsa import Indexer, dsa_settings
+from vllm_k3_plugin.reference.dsa import causal_topk, dsa_settings, index_scores
 
 
 @dataclass
@@ -124,6 +124,55 @@ class KdaAttention(nn.Module):
         gate = torch.sigmoid(self.g_proj(x).float()).reshape(shaped)
         o = ref.rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate
         return self.o_proj(o.reshape(tokens, -1).to(x.dtype))
+
+
+class LayerNormK(nn.Module):
+    """The bias-full fp32 LayerNorm of the indexer key (``index_k_norm_type``
+    ``layernorm``)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(
+            x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps
+        )
+
+
+class Indexer(nn.Module):
+    """``self_attn.indexer.*`` of a K3.1 MLA layer, names as in the checkpoint."""
+
+    def __init__(self, config: dict[str, Any], dsa: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+        self.heads, self.dim = dsa["index_num_heads"], dsa["index_head_dim"]
+        self.topk = dsa["index_topk"]
+        self.wq_b = _linear(config["q_lora_rank"], self.heads * self.dim)
+        self.wk = _linear(hidden, self.dim)
+        self.weights_proj = _linear(hidden, self.heads)
+        norm = LayerNormK if dsa["index_k_norm_type"] == "layernorm" else RMSNorm
+        self.k_norm = norm(self.dim, eps)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """The keys of new positions, to cache (``[T, D]``, fp32)."""
+        return self.k_norm(self.wk(x)).float()
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        keys: torch.Tensor,
+        past: int,
+    ) -> torch.Tensor:
+        """The ``[T, S]`` mask of the positions each new query attends to, given
+        every cached key (``keys``, ``[S, D]``, the new ones last)."""
+        tokens = x.shape[0]
+        index_q = self.wq_b(q_latent).reshape(tokens, self.heads, self.dim)
+        scores = index_scores(index_q, keys, self.weights_proj(x))
+        return causal_topk(scores, past, self.topk)
 
 
 class GatedMla(nn.Module):
