@@ -140,3 +140,38 @@ def test_the_mla_setting_picks_the_backend_and_refuses_torch_on_gpus(monkeypatch
     monkeypatch.setenv(MLA_ENV, "flash")
     with pytest.raises(ValueError, match="auto, triton, torch"):
         mla(on_cpu=False)
+
+
+@pytest.mark.parametrize(
+    "dsa_config",
+    [{"dsa_layers": [3, 6], "index_topk": 4}, SimpleNamespace(index_topk=4)],
+)
+def test_a_sparse_attention_config_is_refused_never_read_dense(dsa_config):
+    """Kimi-K3.1's ``dsa_config`` (a dict on vLLM without K3.1, a dataclass on 0.34):
+    the class would attend densely, so it refuses at build, naming the way out."""
+    from vllm_k3_plugin.model.model import refuse_sparse_attention
+
+    with pytest.raises(ValueError, match=rf"Kimi-K3\.1.*{MODEL_CLASS_ENV}=vllm"):
+        refuse_sparse_attention(SimpleNamespace(dsa_config=dsa_config))
+    refuse_sparse_attention(SimpleNamespace(dsa_config=None))
+    refuse_sparse_attention(SimpleNamespace())
+
+
+def test_the_model_class_refuses_a_sparse_attention_config_at_build(
+    tiny_k3_checkpoint,
+):
+    from vllm.config import set_current_vllm_config
+
+    from tests.support.in_process import engine_config, kernel_settings
+    from tests.support.one_rank import one_rank
+    from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
+
+    config = engine_config(tiny_k3_checkpoint)
+    config.model_config.hf_text_config.dsa_config = {"dsa_layers": [3, 6]}
+    with (
+        one_rank(config),
+        set_current_vllm_config(config),
+        kernel_settings("pytorch"),
+        pytest.raises(ValueError, match=r"Kimi-K3\.1"),
+    ):
+        KimiK3ForConditionalGeneration(vllm_config=config)

@@ -51,6 +51,7 @@ from vllm.model_executor.models.utils import (
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
+from vllm_k3_plugin.envs import MODEL_CLASS_ENV
 from vllm_k3_plugin.model import cpu_pipeline
 from vllm_k3_plugin.model.expert_balance import (
     FromLanguageModel,
@@ -251,6 +252,20 @@ class K3Model(nn.Module):
         )
 
 
+def refuse_sparse_attention(config) -> None:
+    """Kimi-K3.1's ``dsa_config`` (sparse attention on the MLA layers): this class
+    attends densely, which is right only while a prompt is shorter than
+    ``index_topk``, so it refuses the config rather than read it dense."""
+    if getattr(config, "dsa_config", None):
+        raise ValueError(
+            "Kimi-K3.1 (dsa_config: DeepSeek Sparse Attention on the MLA layers) is "
+            "not served by the vllm-k3-plugin model class, which would attend densely "
+            "and be wrong past index_topk tokens; serve it with "
+            f"{MODEL_CLASS_ENV}=vllm on a vLLM that has the Kimi-K3.1 class (0.34 "
+            "or later)"
+        )
+
+
 class KimiK3ForCausalLM(
     nn.Module, HasInnerState, IsHybrid, SupportsPP, K3MixtureOfExperts
 ):
@@ -259,6 +274,7 @@ class KimiK3ForCausalLM(
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
+        refuse_sparse_attention(config)
         self.config = config
         self.model = K3Model(
             vllm_config=vllm_config, config=config, prefix=_join(prefix, "model")
