@@ -16,12 +16,8 @@ import pytest
 import torch
 
 from tests.support.tensors import assert_close
-from vllm_k3_plugin.reference.dsa import (
-    DsaConfigError,
-    causal_topk,
-    dsa_settings,
-    index_scores,
-)
+from vllm_k3_plugin.reference.checkpoint_format import DsaConfigError, dsa_settings
+from vllm_k3_plugin.reference.dsa import causal_topk, index_scores
 from vllm_k3_plugin.reference.torch_model import GatedMla, SequenceState
 from vllm_k3_plugin.tools.tiny import tiny_text_config
 
@@ -142,3 +138,50 @@ def test_a_dsa_config_the_reference_cannot_honour_is_refused(field, value):
     config["dsa_config"][field] = value
     with pytest.raises(DsaConfigError, match=field):
         dsa_settings(config)
+
+
+@pytest.fixture(scope="module")
+def k31_checkpoint(tmp_path_factory):
+    from vllm_k3_plugin.tools import tiny
+
+    return tiny.write_tiny_k3_checkpoint(
+        tmp_path_factory.mktemp("tiny-k31"), dsa_topk=TOPK
+    )
+
+
+TOPK = 4
+PROMPT = torch.tensor([163587, 1634, 163589, 15, 2000, 77, 9, 31337, 163588, 5])
+
+
+def _reference(checkpoint, *, dense: bool):
+    import json
+
+    from safetensors.torch import load_file
+
+    from vllm_k3_plugin.reference.torch_model import K3TextModel
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    text = config["text_config"]
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    if dense:
+        text = {k: v for k, v in text.items() if k != "dsa_config"}
+        weights = {k: v for k, v in weights.items() if ".indexer." not in k}
+    model = K3TextModel(text)
+    loaded = model.load_weights(weights.items())
+    assert loaded == {name for name, _ in model.named_parameters()}
+    return config, model
+
+
+def test_the_tiny_k31_checkpoint_is_read_sparse_and_differs_from_dense_past_topk(
+    k31_checkpoint,
+):
+    config, sparse = _reference(k31_checkpoint, dense=False)
+    assert config["model_type"] == "kimi_k31"
+    assert config["architectures"] == ["KimiK31ForConditionalGeneration"]
+    _, dense = _reference(k31_checkpoint, dense=True)
+    got = sparse(PROMPT, SequenceState())
+    want = dense(PROMPT, SequenceState())
+    # A query sees at most ``index_topk`` positions up to position TOPK - 1: dense
+    # there; past it, the indexer's choice.
+    assert_close(got[:TOPK], want[:TOPK], atol=1e-4, rtol=1e-5, what="first logits")
+    assert (got[TOPK:] - want[TOPK:]).abs().amax(dim=-1).min() > 1e-3

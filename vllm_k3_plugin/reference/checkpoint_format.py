@@ -84,6 +84,47 @@ def is_kda_layer(text: dict[str, Any], layer: int) -> bool:
     return layer + 1 in text["linear_attn_config"]["kda_layers"]
 
 
+_K_NORMS = ("rmsnorm", "layernorm")
+
+
+class DsaConfigError(ValueError):
+    """A ``dsa_config`` this reference cannot honour (it never reads one as dense)."""
+
+
+def dsa_settings(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The text config's ``dsa_config``, checked; ``None`` for a dense model."""
+    dsa = config.get("dsa_config")
+    if dsa is None:
+        return None
+    dsa = dict(dsa)
+    if "dsa_layers" not in dsa and "layers" in dsa:
+        dsa["dsa_layers"] = dsa.pop("layers")
+    problems = []
+    if dsa.get("index_rope_dim", 0) != 0:
+        problems.append(f"index_rope_dim {dsa['index_rope_dim']} (K3.1 has 0)")
+    if dsa.get("index_topk_freq", 1) != 1:
+        problems.append(f"index_topk_freq {dsa['index_topk_freq']} (index share)")
+    if dsa.get("index_k_norm_type", "rmsnorm") not in _K_NORMS:
+        problems.append(f"index_k_norm_type {dsa['index_k_norm_type']!r}")
+    if int(dsa.get("index_topk", 2048)) < 1:
+        problems.append(f"index_topk {dsa['index_topk']}")
+    if problems:
+        raise DsaConfigError("dsa_config not supported: " + "; ".join(problems))
+    return {
+        "dsa_layers": frozenset(dsa.get("dsa_layers", ())),
+        "index_topk": int(dsa.get("index_topk", 2048)),
+        "index_head_dim": int(dsa.get("index_head_dim", 64)),
+        "index_num_heads": int(dsa.get("index_num_heads", 16)),
+        "index_k_norm_type": dsa.get("index_k_norm_type", "rmsnorm"),
+    }
+
+
+def is_dsa_layer(config: dict[str, Any], layer: int) -> bool:
+    """Whether layer ``layer`` (from 0) has DSA: ``dsa_layers`` counts from 1."""
+    dsa = dsa_settings(config)
+    return dsa is not None and layer + 1 in dsa["dsa_layers"]
+
+
 def dense_weight_shapes(text: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every BF16 tensor of the text model, by checkpoint name (without the prefix);
     the MTP draft layers' are ``mtp_weight_shapes``."""
@@ -184,6 +225,8 @@ def _layer_shapes(
         )
         shapes[f"{a}g_proj.weight"] = (heads * text["v_head_dim"], d)
         shapes[f"{a}o_proj.weight"] = (d, heads * text["v_head_dim"])
+        if is_dsa_layer(text, layer):
+            shapes.update(_indexer_shapes(text, dsa_settings(text), f"{a}indexer."))
     if layer < text["first_k_dense_replace"]:
         m = f"{p}mlp."
         shapes[f"{m}gate_proj.weight"] = (text["intermediate_size"], d)
@@ -199,6 +242,22 @@ def _layer_shapes(
         shapes[f"{m}shared_experts.gate_proj.weight"] = (shared, d)
         shapes[f"{m}shared_experts.up_proj.weight"] = (shared, d)
         shapes[f"{m}shared_experts.down_proj.weight"] = (d, shared)
+    return shapes
+
+
+def _indexer_shapes(
+    text: dict[str, Any], dsa: dict[str, Any], p: str
+) -> dict[str, tuple[int, ...]]:
+    """A K3.1 DSA layer's lightning indexer (``self_attn.indexer.``)."""
+    heads, dim = dsa["index_num_heads"], dsa["index_head_dim"]
+    shapes = {
+        f"{p}wq_b.weight": (heads * dim, text["q_lora_rank"]),
+        f"{p}wk.weight": (dim, text["hidden_size"]),
+        f"{p}weights_proj.weight": (heads, text["hidden_size"]),
+        f"{p}k_norm.weight": (dim,),
+    }
+    if dsa["index_k_norm_type"] == "layernorm":
+        shapes[f"{p}k_norm.bias"] = (dim,)
     return shapes
 
 

@@ -16,49 +16,7 @@ from vLLM 0.34's ``models/kimi_k3/nvidia/dsa.py`` and
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-
-_K_NORMS = ("rmsnorm", "layernorm")
-
-
-class DsaConfigError(ValueError):
-    """A ``dsa_config`` this reference cannot honour (it never reads one as dense)."""
-
-
-def dsa_settings(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The text config's ``dsa_config``, checked; ``None`` for a dense model."""
-    dsa = config.get("dsa_config")
-    if dsa is None:
-        return None
-    dsa = dict(dsa)
-    if "dsa_layers" not in dsa and "layers" in dsa:
-        dsa["dsa_layers"] = dsa.pop("layers")
-    problems = []
-    if dsa.get("index_rope_dim", 0) != 0:
-        problems.append(f"index_rope_dim {dsa['index_rope_dim']} (K3.1 has 0)")
-    if dsa.get("index_topk_freq", 1) != 1:
-        problems.append(f"index_topk_freq {dsa['index_topk_freq']} (index share)")
-    if dsa.get("index_k_norm_type", "rmsnorm") not in _K_NORMS:
-        problems.append(f"index_k_norm_type {dsa['index_k_norm_type']!r}")
-    if int(dsa.get("index_topk", 2048)) < 1:
-        problems.append(f"index_topk {dsa['index_topk']}")
-    if problems:
-        raise DsaConfigError("dsa_config not supported: " + "; ".join(problems))
-    return {
-        "dsa_layers": frozenset(dsa.get("dsa_layers", ())),
-        "index_topk": int(dsa.get("index_topk", 2048)),
-        "index_head_dim": int(dsa.get("index_head_dim", 64)),
-        "index_num_heads": int(dsa.get("index_num_heads", 16)),
-        "index_k_norm_type": dsa.get("index_k_norm_type", "rmsnorm"),
-    }
-
-
-def is_dsa_layer(config: dict[str, Any], layer: int) -> bool:
-    """Whether layer ``layer`` (from 0) has DSA: ``dsa_layers`` counts from 1."""
-    dsa = dsa_settings(config)
-    return dsa is not None and layer + 1 in dsa["dsa_layers"]
 
 
 def index_scores(

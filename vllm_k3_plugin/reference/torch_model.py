@@ -25,10 +25,12 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     Mxfp4Halves,
     WeightShapeError,
     attn_res_site,
+    dsa_settings,
     gate_lower_bound,
+    is_dsa_layer,
     situ_betas,
 )
-from vllm_k3_plugin.reference.dsa import causal_topk, dsa_settings, index_scores
+from vllm_k3_plugin.reference.dsa import causal_topk, index_scores
 
 
 @dataclass
@@ -196,9 +198,8 @@ class GatedMla(nn.Module):
         self.kv_b_proj = _linear(self.kv_rank, self.heads * (self.nope + self.v_dim))
         self.g_proj = _linear(hidden, self.heads * self.v_dim)
         self.o_proj = _linear(self.heads * self.v_dim, hidden)
-        dsa = dsa_settings(config)
-        if dsa is not None and layer + 1 in dsa["dsa_layers"]:
-            self.indexer = Indexer(config, dsa)
+        if is_dsa_layer(config, layer):
+            self.indexer = Indexer(config, dsa_settings(config))
 
     def forward(self, x: torch.Tensor, state: SequenceState) -> torch.Tensor:
         tokens = x.shape[0]

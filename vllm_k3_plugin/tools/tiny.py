@@ -33,12 +33,16 @@ from vllm_k3_plugin.reference.checkpoint_format import mtp_layers as draft_layer
 PREFIX = LANGUAGE_MODEL_PREFIX
 
 
-def tiny_text_config(mtp_layers: int = 0) -> dict[str, Any]:
+def tiny_text_config(
+    mtp_layers: int = 0, *, dsa_topk: int | None = None
+) -> dict[str, Any]:
     """``mtp_layers``: MTP draft layers after the text model's
-    (``num_nextn_predict_layers``)."""
+    (``num_nextn_predict_layers``). ``dsa_topk``: a Kimi-K3.1 text config, DSA on
+    every MLA layer with that ``index_topk`` (small, so sparse differs from dense
+    on short prompts)."""
     layers = 6
     full_attn = [3, 6]  # 1-based, as the published config numbers them
-    return {
+    text = {
         "model_type": "kimi_linear",
         "architectures": ["KimiLinearForCausalLM"],
         "vocab_size": vocab.VOCAB_SIZE,
@@ -94,6 +98,19 @@ def tiny_text_config(mtp_layers: int = 0) -> dict[str, Any]:
         "num_nextn_predict_layers": mtp_layers,
         "torch_dtype": "bfloat16",
     }
+    if dsa_topk is not None:
+        # K3.1's indexer: no RoPE, a LayerNorm on its shared key, no index share.
+        text["dsa_config"] = {
+            "dsa_layers": full_attn,
+            "index_topk": dsa_topk,
+            "index_head_dim": 16,
+            "index_num_heads": 4,
+            "index_rope_dim": 0,
+            "index_k_norm_type": "layernorm",
+            "indexer_use_fp8": False,
+            "index_topk_freq": 1,
+        }
+    return text
 
 
 def quantization_config() -> dict[str, Any]:
@@ -121,9 +138,16 @@ def quantization_config() -> dict[str, Any]:
 
 
 def k3_config(text: dict[str, Any]) -> dict[str, Any]:
+    """The published wrapper: Kimi-K3's, or Kimi-K3.1's for a text config with
+    ``dsa_config``."""
+    k31 = "dsa_config" in text
     return {
-        "model_type": "kimi_k3",
-        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k31" if k31 else "kimi_k3",
+        "architectures": [
+            "KimiK31ForConditionalGeneration"
+            if k31
+            else "KimiK3ForConditionalGeneration"
+        ],
         "text_config": text,
         "bos_token_id": vocab.BOS_ID,
         "eos_token_id": vocab.END_OF_MSG_ID,
@@ -144,13 +168,18 @@ def text_only_config(text: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_tiny_k3_checkpoint(
-    out_dir: Path, *, seed: int = 0, text_only: bool = False, mtp_layers: int = 0
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    text_only: bool = False,
+    mtp_layers: int = 0,
+    dsa_topk: int | None = None,
 ) -> Path:
     """``text_only``: a ``KimiK3ForCausalLM`` checkpoint (text config, names without
     the ``language_model.`` prefix) instead of the published wrapper.
     ``mtp_layers``: that many MTP draft layers too, each with copies of an
     embedding and an LM head (random: vLLM's proposer replaces them with the
-    target's)."""
+    target's). ``dsa_topk``: a Kimi-K3.1 checkpoint (``tiny_text_config``)."""
     import torch
     from safetensors.torch import save_file
 
@@ -158,7 +187,7 @@ def write_tiny_k3_checkpoint(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = tiny_text_config(mtp_layers)
+    text = tiny_text_config(mtp_layers, dsa_topk=dsa_topk)
     prefix = "" if text_only else PREFIX
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -179,7 +208,7 @@ def write_tiny_k3_checkpoint(
         for name, shape in dense.items():
             if name.endswith(("norm.weight", "layernorm.weight")):
                 value = torch.ones(shape)
-            elif name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
+            elif name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "bias")):
                 value = torch.zeros(shape)
             else:
                 fan_in = shape[-1]
@@ -191,11 +220,17 @@ def write_tiny_k3_checkpoint(
             tensors[f"{prefix}{name}.weight_packed"] = packed.contiguous()
             tensors[f"{prefix}{name}.weight_scale"] = scale.contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return write_tiny_k3_config(out_dir, text_only=text_only, mtp_layers=mtp_layers)
+    return write_tiny_k3_config(
+        out_dir, text_only=text_only, mtp_layers=mtp_layers, dsa_topk=dsa_topk
+    )
 
 
 def write_tiny_k3_config(
-    out_dir: Path, *, text_only: bool = False, mtp_layers: int = 0
+    out_dir: Path,
+    *,
+    text_only: bool = False,
+    mtp_layers: int = 0,
+    dsa_topk: int | None = None,
 ) -> Path:
     """The tiny checkpoint without its weights: config, generation config and
     tokenizer, what vLLM's tokenizer loader reads (the replay's tokenizer folder)."""
@@ -204,7 +239,7 @@ def write_tiny_k3_config(
     from vllm_k3_plugin.tools.tokenizer import chat_template, write_hf_tokenizer
 
     out_dir = Path(out_dir)
-    text = tiny_text_config(mtp_layers)
+    text = tiny_text_config(mtp_layers, dsa_topk=dsa_topk)
     config = text_only_config(text) if text_only else k3_config(text)
     # As every saved config carries it (transformers reads a config without it as
     # possibly a Mistral tokenizer's, and warns).
@@ -236,14 +271,21 @@ def main(argv: list[str] | None = None) -> int:
         help="MTP draft layers after the text model's (for --speculative-config "
         '\'{"method": "mtp"}\')',
     )
+    parser.add_argument(
+        "--dsa-topk",
+        type=int,
+        help="a Kimi-K3.1 checkpoint: DSA on the MLA layers with this index_topk",
+    )
     args = parser.parse_args(argv)
     path = write_tiny_k3_checkpoint(
         args.out_dir,
         seed=args.seed,
         text_only=args.text_only,
         mtp_layers=args.mtp_layers,
+        dsa_topk=args.dsa_topk,
     )
-    print(f"wrote a tiny Kimi-K3 checkpoint to {path}")
+    model = "Kimi-K3.1" if args.dsa_topk is not None else "Kimi-K3"
+    print(f"wrote a tiny {model} checkpoint to {path}")
     return 0
 
 
