@@ -289,10 +289,10 @@ def test_9_the_stop_token_text_never_closes_a_call():
 # -- rule 6: openers that open nothing, read every way ------------------------------
 
 
-def _read_chunks(start: Channel, chunks, atoms) -> OutputReading:
+def _read_chunks(start: Channel, chunks, atoms, stopped: bool = True) -> OutputReading:
     reader = OutputReader(start, atoms=atoms)
     events = [event for chunk in chunks for event in reader.feed(*chunk)]
-    return collect_output(events + reader.finish(stopped=True))
+    return collect_output(events + reader.finish(stopped=stopped))
 
 
 @pytest.mark.parametrize("shape", sorted(NO_CALL_SHAPES))
@@ -360,3 +360,41 @@ def test_held_chars_is_what_may_still_reach_the_client():
     assert reader.held_chars == len("f")  # the name, until the call is confirmed
     reader.feed(OPEN + 'argument key="a" type="number"' + SEP + "12")
     assert (reader.held_chars, reader.held_value_chars) == (0, 2)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("stopped", [True, False])
+def test_every_built_in_shape_reads_alike_in_every_text_chunking(shape, stopped):
+    """Read from the text alone (a saved output), in the chunkings every streaming
+    comparison uses: each tag is then fed a character or a few at a time."""
+    from tests.conftest import chunkings
+
+    output, thinking, _ = SHAPES[shape]
+    start = THINK if thinking else RESPONSE
+    readings = {
+        way: _read_chunks(start, [(c, None) for c in chunks], TextAtoms(), stopped)
+        for way, chunks in chunkings(output).items()
+    }
+    assert all(reading == readings["whole"] for reading in readings.values())
+
+
+def test_6_text_a_think_exit_releases_in_a_tools_channel_is_the_thoughts():
+    """An opener that never completes, interrupted by the think exit inside a
+    tools channel that interrupted the thought: its text was written in the
+    thought."""
+    reading, _ = read(
+        THINK,
+        "thought ",
+        Control(vocab.TOOLS_START),
+        call_opener("f"),
+        "more thought ",
+        Control(OPEN),
+        "foo ",
+        Control(vocab.THINK_END),
+        "answer",
+        Control(vocab.TOOLS_END),
+    )
+    assert (reading.reasoning, reading.content) == (
+        "thought more thought foo ",
+        "answer",
+    )

@@ -185,3 +185,38 @@ def test_the_tiny_k31_checkpoint_is_read_sparse_and_differs_from_dense_past_topk
     # there; past it, the indexer's choice.
     assert_close(got[:TOPK], want[:TOPK], atol=1e-4, rtol=1e-5, what="first logits")
     assert (got[TOPK:] - want[TOPK:]).abs().amax(dim=-1).min() > 1e-3
+
+
+def test_the_indexer_reads_the_normed_query_latent_and_the_layer_input(monkeypatch):
+    """The selection the layer uses, against one computed here from its weights:
+    ``wq_b`` on the query latent after ``q_a_layernorm`` (random norm weights, so a
+    latent taken before the norm would pick otherwise), ``wk`` and ``weights_proj``
+    on the layer's input, the key through its LayerNorm."""
+    x = torch.randn(9, 64) * 0.5
+    layer = _layer(3, seed=3)
+    used = []
+    select = layer.indexer.select
+    monkeypatch.setattr(
+        layer.indexer, "select", lambda *args: used.append(select(*args)) or used[-1]
+    )
+    with torch.no_grad():
+        layer(x, SequenceState())
+        q_a = x @ layer.q_a_proj.weight.T
+        norm = layer.q_a_layernorm
+        q_latent = q_a * torch.rsqrt(q_a.pow(2).mean(-1, keepdim=True) + norm.eps)
+        q_latent = q_latent * norm.weight
+        k_norm = layer.indexer.k_norm
+        keys = torch.nn.functional.layer_norm(
+            x @ layer.indexer.wk.weight.T, (16,), k_norm.weight, k_norm.bias, k_norm.eps
+        )
+        weights = x @ layer.indexer.weights_proj.weight.T
+
+        def selection(latent):
+            index_q = (latent @ layer.indexer.wq_b.weight.T).reshape(9, 4, 16)
+            dots = torch.relu(torch.einsum("thd,sd->ths", index_q, keys))
+            return causal_topk(torch.einsum("ths,th->ts", dots, weights), 0, 3)
+
+        want, before_norm = selection(q_latent), selection(q_a)
+    assert torch.equal(used[0], want)
+    # The latent before its norm picks otherwise here: the check tells them apart.
+    assert not torch.equal(want, before_norm)

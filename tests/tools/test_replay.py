@@ -168,7 +168,7 @@ def test_replay_counts_what_the_contract_reads():
         "quoted markers": 4,
         "cut calls": 0,
         "resumed think channels": 4,
-        "text between calls": 8,
+        "content in a tools channel": 8,
     }
 
 

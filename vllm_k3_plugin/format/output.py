@@ -105,9 +105,14 @@ class OutputReader:
             elif self._tools is None:
                 out.append(Content(m.unmarked(event.text)))
             else:
-                if event.thought is not None:
-                    self._thought_prose = event.thought
+                # A channel that interrupted a thought: its text is the thought's
+                # from its opener on; a think exit: what the tool reader still held
+                # before it (released by the exit's atom) was written in the thought.
+                if event.thought:
+                    self._thought_prose = True
                 out += self._from_tools(self._tools.feed(event.text))
+                if event.thought is False:
+                    self._thought_prose = False
         return out
 
     def _from_tools(self, events: list) -> list[OutputEvent]:

@@ -75,18 +75,15 @@ _TOKEN = rf'[^"\s]{{0,{MAX_TOOL_NAME_CHARS}}}'
 _KEY = rf'[^"\n]{{0,{MAX_KEY_CHARS}}}'
 
 
-def _alternatives(generic: str, declared: tuple[str, ...], *, prefixes: bool) -> str:
-    """``generic`` or one of ``declared`` (escaped values), or a start of one."""
+def _value(generic: str, bound: int, declared: tuple[str, ...], *, whole: bool) -> str:
+    """A value's pattern: the generic run, or one of ``declared`` (escaped values)
+    whole. A value still growing, where a declaration widens the grammar, may be
+    any text up to the longest declared value: its closing quote decides."""
     if not declared:
         return generic
-    if prefixes:
-        literal = [
-            "".join(f"(?:{re.escape(ch)}" for ch in value) + ")?" * len(value)
-            for value in declared
-        ]
-    else:
-        literal = [re.escape(value) for value in declared]
-    return "(?:" + "|".join([generic, *literal]) + ")"
+    if whole:
+        return "(?:" + "|".join([generic, *map(re.escape, declared)]) + ")"
+    return f'[^"]{{0,{max(bound, *map(len, declared))}}}'
 
 
 class TagGrammar:
@@ -116,23 +113,35 @@ class TagGrammar:
             max([MAX_TOOL_NAME_CHARS, *map(len, names)]),
             max([MAX_KEY_CHARS, *map(len, key_values)]),
         )
-        tool_whole = _alternatives(_TOKEN, names, prefixes=False)
-        tool_growing = _alternatives(_TOKEN, names, prefixes=True)
-        key_whole = _alternatives(_KEY, key_values, prefixes=False)
-        key_growing = _alternatives(_KEY, key_values, prefixes=True)
-        whole = (
-            rf'(?:{_TOOL_ATTRIBUTE}{_EQUALS}{tool_whole}"'
-            rf'|{_KEY_ATTRIBUTE}{_EQUALS}{key_whole}"'
-            rf'|{_ATTRIBUTE_NAME}{_EQUALS}{_TOKEN}")'
+        tool, key = (
+            {
+                whole: _value(generic, bound, declared, whole=whole)
+                for whole in (True, False)
+            }
+            for generic, bound, declared in (
+                (_TOKEN, MAX_TOOL_NAME_CHARS, names),
+                (_KEY, MAX_KEY_CHARS, key_values),
+            )
         )
-        growing = (
-            rf"(?:{_TOOL_ATTRIBUTE}{_EQUALS}{tool_growing}"
-            rf"|{_KEY_ATTRIBUTE}{_EQUALS}{key_growing}"
-            rf'|{_ATTRIBUTE_NAME}(?:\s*(?:=\s*(?:"{_TOKEN})?)?)?)'
+        # The branches are disjoint (an attribute named ``tool`` or ``key`` takes
+        # its own only), so a failed match never retries an attribute two ways.
+        other = rf"(?!(?:{_TOOL_ATTRIBUTE}|{_KEY_ATTRIBUTE})\s*=){_ATTRIBUTE_NAME}"
+        whole = (
+            rf'(?:{_TOOL_ATTRIBUTE}{_EQUALS}{tool[True]}"'
+            rf'|{_KEY_ATTRIBUTE}{_EQUALS}{key[True]}"'
+            rf'|{other}{_EQUALS}{_TOKEN}")'
+        )
+        growing = "|".join(
+            rf'{name}(?:\s*(?:=\s*(?:"{value})?)?)?'
+            for name, value in (
+                (_TOOL_ATTRIBUTE, tool[False]),
+                (_KEY_ATTRIBUTE, key[False]),
+                (other, _TOKEN),
+            )
         )
         self.opener_whole = re.compile(rf"{_NAME}(?:\s+{whole})*\s*").fullmatch
         self.opener_prefix = re.compile(
-            rf"(?:{_NAME}(?:\s+{whole})*(?:\s*|\s+{growing}))?"
+            rf"(?:{_NAME}(?:\s+{whole})*(?:\s*|\s+(?:{growing})))?"
         ).fullmatch
         self.closer_whole = re.compile(rf"{_NAME}\s*").fullmatch
         self.closer_prefix = re.compile(rf"(?:{_NAME}\s*)?").fullmatch

@@ -256,7 +256,7 @@ def refuse_sparse_attention(config) -> None:
     """Kimi-K3.1's ``dsa_config`` (sparse attention on the MLA layers): this class
     attends densely, which is right only while a prompt is shorter than
     ``index_topk``, so it refuses the config rather than read it dense."""
-    if getattr(config, "dsa_config", None):
+    if getattr(config, "dsa_config", None) is not None:
         raise ValueError(
             "Kimi-K3.1 (dsa_config: DeepSeek Sparse Attention on the MLA layers) is "
             "not served by the vllm-k3-plugin model class, which would attend densely "

@@ -75,18 +75,26 @@ def history_call_count(request: Any) -> int:
         return 0
 
 
-def declared_tool_names(request: Any) -> frozenset[str] | None:
-    """Names of the tools the request declares; ``None`` if it declares none."""
-    tools = getattr(request, "tools", None)
-    if not tools:
-        return None
-    names = set()
-    for tool in tools:
+def _declared(request: Any) -> list[tuple[str, Any]]:
+    """``(name, parameters)`` of each tool the request declares with a name (chat
+    completions' ``function`` objects, or Responses' flat tools)."""
+    declared = []
+    for tool in getattr(request, "tools", None) or ():
         function = getattr(tool, "function", None)
         name = getattr(function, "name", None) or getattr(tool, "name", None)
         if isinstance(name, str):
-            names.add(name)
-    return frozenset(names)
+            parameters = getattr(function, "parameters", None)
+            if parameters is None:
+                parameters = getattr(tool, "parameters", None)
+            declared.append((name, parameters))
+    return declared
+
+
+def declared_tool_names(request: Any) -> frozenset[str] | None:
+    """Names of the tools the request declares; ``None`` if it declares none."""
+    if not getattr(request, "tools", None):
+        return None
+    return frozenset(name for name, _ in _declared(request))
 
 
 def tag_grammar(request: Any) -> TagGrammar:
@@ -94,14 +102,8 @@ def tag_grammar(request: Any) -> TagGrammar:
     declared tool name or argument key it refuses."""
     names: list[str] = []
     keys: list[str] = []
-    for tool in getattr(request, "tools", None) or ():
-        function = getattr(tool, "function", None)
-        name = getattr(function, "name", None) or getattr(tool, "name", None)
-        if isinstance(name, str):
-            names.append(name)
-        parameters = getattr(function, "parameters", None)
-        if parameters is None:
-            parameters = getattr(tool, "parameters", None)
+    for name, parameters in _declared(request):
+        names.append(name)
         properties = (
             parameters.get("properties") if isinstance(parameters, dict) else None
         )

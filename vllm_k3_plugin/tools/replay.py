@@ -64,7 +64,7 @@ FEATURES = (
     "quoted markers",
     "cut calls",
     "resumed think channels",
-    "text between calls",
+    "content in a tools channel",
 )
 
 

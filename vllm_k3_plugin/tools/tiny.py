@@ -208,7 +208,9 @@ def write_tiny_k3_checkpoint(
         for name, shape in dense.items():
             if name.endswith(("norm.weight", "layernorm.weight")):
                 value = torch.ones(shape)
-            elif name.endswith(("A_log", "dt_bias", "e_score_correction_bias", "bias")):
+            elif name.endswith(
+                ("A_log", "dt_bias", "e_score_correction_bias", "norm.bias")
+            ):
                 value = torch.zeros(shape)
             else:
                 fan_in = shape[-1]
