@@ -398,3 +398,27 @@ def test_6_text_a_think_exit_releases_in_a_tools_channel_is_the_thoughts():
         "thought more thought foo ",
         "answer",
     )
+
+
+@pytest.mark.parametrize(
+    "exit_then_close",
+    [
+        vocab.THINK_END + vocab.TOOLS_END,
+        CLOSE + "think" + vocab.TOOLS_END,  # the closer without its separator
+        CLOSE + "think " + SEP + vocab.TOOLS_END,
+        OPEN + "response " + SEP,
+    ],
+)
+def test_6_a_think_exit_in_the_tools_channel_ends_the_thought(exit_then_close):
+    """However the thought's exit is spelled inside the tools channel that
+    interrupted it, the reply follows."""
+    reading, _ = read(
+        THINK,
+        "thought ",
+        Control(vocab.TOOLS_START),
+        call_opener("f"),
+        "more ",
+        Control(exit_then_close),
+        "Answer.",
+    )
+    assert (reading.reasoning, reading.content) == ("thought more ", "Answer.")

@@ -157,6 +157,7 @@ class ReasoningReader:
         "_atoms",
         "_block_origin",
         "_events",
+        "_exit_tag",
         "_grammar",
         "_kept",
         "_kept_quoted",
@@ -200,6 +201,10 @@ class ReasoningReader:
         self._tools_held: list[str] | None = None
         # A tag after an opener or closer atom, outside the tools channel.
         self._tag: TagText | None = None
+        # In a tools channel that interrupted a thought: a tag after an atom, read
+        # for the thought's exit spelled otherwise than the marker (the think closer
+        # without its separator, or with whitespace).
+        self._exit_tag: TagText | None = None
         # In THINK_AFTER_CLOSER: the closer, whitespace and framing that followed
         # it, undecided until words, an exit or the end come.
         self._after_closer: list[str] = []
@@ -272,6 +277,7 @@ class ReasoningReader:
         # atom, and is dropped wherever it stands.
         self._scanner.finish()
         self._tag = None  # a tag cut off: a cut marker too
+        self._exit_tag = None
         if self._tools_held is not None:
             self._quote_tools_opener()
         if self.channel is Channel.THINK and self._block_origin is None:
@@ -362,6 +368,9 @@ class ReasoningReader:
             self._state = _REPLY
             self._push(Content, text)
         else:
+            exit_tag = self._exit_tag
+            if exit_tag is not None and not exit_tag.add(text):
+                self._exit_tag = None
             self._push(ToolMarkup, text)
 
     def _on_marker(self, marker: str) -> None:
@@ -454,24 +463,44 @@ class ReasoningReader:
         self._events.append(ToolMarkup(markup, thought=thought))
 
     def _tools_marker(self, marker: str) -> None:
+        if self._exit_tag is not None and self._tag_exits_thought(marker):
+            if marker == m.SEP:
+                self._push(ToolMarkup, marker)
+                self._end_thought_in_tools("")
+                return
+            self._end_thought_in_tools("")
         if marker == THINK_START:
             # A think block between calls: reasoning; it ends any call open.
             self._push(ToolMarkup, marker)
             self._open_block(_State.TOOLS)
             return
         if marker in _THINK_EXITS and self._after_tools is _State.THINK:
-            # The thought the tools channel interrupted ends here: the reply
-            # follows the channel.
-            self._after_tools = _State.REPLY
-            self._flush()
-            self._events.append(ToolMarkup(marker, thought=False))
+            self._end_thought_in_tools(marker)
             return
         self._push(ToolMarkup, marker)
+        if marker in _TAG_ATOMS and self._after_tools is _State.THINK:
+            self._exit_tag = TagText(opener=marker == m.OPEN, grammar=self._grammar)
         if marker == TOOLS_END:
             if self._after_tools is _State.THINK:
                 self._open_block(_State.REPLY)
             else:
                 self._state = _State.REPLY
+
+    def _tag_exits_thought(self, marker: str) -> bool:
+        """Whether the tag read before ``marker`` (an atom) spells the thought's
+        exit: a whole ``think`` closer or ``response`` opener."""
+        tag, self._exit_tag = self._exit_tag, None
+        if not tag.ends_whole(at_separator=marker == m.SEP):
+            return False
+        name = tag.text.split(None, 1)[0]
+        return name == (vocab.RESPONSE if tag.opener else vocab.THINK)
+
+    def _end_thought_in_tools(self, markup: str) -> None:
+        """The thought the tools channel interrupted ends here (after ``markup``):
+        the reply follows the channel, and its text outside calls is content."""
+        self._after_tools = _State.REPLY
+        self._flush()
+        self._events.append(ToolMarkup(markup, thought=False))
 
     def _open_block(self, origin: _State) -> None:
         self.think_blocks += 1
