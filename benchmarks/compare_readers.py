@@ -6,7 +6,8 @@ interleaved (A B, B A, ...) with the collector off, in CPU time: the best of
 ``--repeats`` each, and the median ratio of the pairs. Machine drift falls on both
 alike, which two runs of ``bench_reasoning.py`` or
 ``bench_tools.py`` apart do not give. Outputs: the benchmarks' 32,768-token thought,
-their 50- and 200-call tools channels and a 100 KB string argument.
+their 50- and 200-call tools channels (and 50 calls in a tools channel that
+interrupts the thought) and a 100 KB string argument.
 
     python benchmarks/compare_readers.py OTHER_CHECKOUT [--repeats N]
 """
@@ -58,6 +59,10 @@ def outputs() -> dict[str, tuple[str, bool]]:
         "32k-token thought": (thought + vocab.THINK_END + "Done.", True),
         "50 calls": (head + render_tools(many_calls(50)), True),
         "200 calls": (head + render_tools(many_calls(200)), True),
+        "50 calls inside the thought": (
+            thought[:20_000] + render_tools(many_calls(50)),
+            True,
+        ),
         "100 KB string argument": (head + render_tools(big_argument(100_000)), True),
     }
 

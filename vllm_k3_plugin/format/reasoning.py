@@ -43,6 +43,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -136,6 +137,13 @@ _STATE_MARKERS = {
     _State.THINK: _THINK_STATE_MARKERS,
     _State.REPLY: _RESPONSE_STATE_MARKERS,
 }
+# The thought's exit as a tag inside a tools channel: at its separator, and (the
+# closer only) at any other atom; at most this long.
+_EXIT_TAG = re.compile(
+    rf"(?:{re.escape(m.CLOSE)}{vocab.THINK}|{re.escape(m.OPEN)}{vocab.RESPONSE})\s*"
+)
+_EXIT_CLOSER = re.compile(rf"{re.escape(m.CLOSE)}{vocab.THINK}\s*")
+_EXIT_TAG_CHARS = 1 + len(vocab.RESPONSE) + vocab.TOOLS_OPENER_MAX_GAP
 # Complete tags read as the channel markers they spell: (is an opener, name).
 _TAG_MARKERS = {
     (True, vocab.THINK): THINK_START,
@@ -201,10 +209,10 @@ class ReasoningReader:
         self._tools_held: list[str] | None = None
         # A tag after an opener or closer atom, outside the tools channel.
         self._tag: TagText | None = None
-        # In a tools channel that interrupted a thought: a tag after an atom, read
-        # for the thought's exit spelled otherwise than the marker (the think closer
-        # without its separator, or with whitespace).
-        self._exit_tag: TagText | None = None
+        # In a tools channel that interrupted a thought: an atom and the text after
+        # it, read for the thought's exit spelled otherwise than the marker (the
+        # think closer without its separator, or with whitespace).
+        self._exit_tag: list[str] | None = None
         # In THINK_AFTER_CLOSER: the closer, whitespace and framing that followed
         # it, undecided until words, an exit or the end come.
         self._after_closer: list[str] = []
@@ -369,8 +377,10 @@ class ReasoningReader:
             self._push(Content, text)
         else:
             exit_tag = self._exit_tag
-            if exit_tag is not None and not exit_tag.add(text):
-                self._exit_tag = None
+            if exit_tag is not None:
+                exit_tag.append(text)
+                if sum(map(len, exit_tag)) > _EXIT_TAG_CHARS:
+                    self._exit_tag = None
             self._push(ToolMarkup, text)
 
     def _on_marker(self, marker: str) -> None:
@@ -479,7 +489,7 @@ class ReasoningReader:
             return
         self._push(ToolMarkup, marker)
         if marker in _TAG_ATOMS and self._after_tools is _State.THINK:
-            self._exit_tag = TagText(opener=marker == m.OPEN, grammar=self._grammar)
+            self._exit_tag = [marker]
         if marker == TOOLS_END:
             if self._after_tools is _State.THINK:
                 self._open_block(_State.REPLY)
@@ -487,13 +497,13 @@ class ReasoningReader:
                 self._state = _State.REPLY
 
     def _tag_exits_thought(self, marker: str) -> bool:
-        """Whether the tag read before ``marker`` (an atom) spells the thought's
-        exit: a whole ``think`` closer or ``response`` opener."""
-        tag, self._exit_tag = self._exit_tag, None
-        if not tag.ends_whole(at_separator=marker == m.SEP):
-            return False
-        name = tag.text.split(None, 1)[0]
-        return name == (vocab.RESPONSE if tag.opener else vocab.THINK)
+        """Whether the atom and tag read before ``marker`` (an atom) spell the
+        thought's exit: a ``think`` closer (its separator optional) or a
+        ``response`` opener, whitespace after the name allowed."""
+        tag, self._exit_tag = "".join(self._exit_tag), None
+        if marker == m.SEP:
+            return _EXIT_TAG.fullmatch(tag) is not None
+        return _EXIT_CLOSER.fullmatch(tag) is not None
 
     def _end_thought_in_tools(self, markup: str) -> None:
         """The thought the tools channel interrupted ends here (after ``markup``):
