@@ -295,12 +295,13 @@ def _read_chunks(start: Channel, chunks, atoms, stopped: bool = True) -> OutputR
     return collect_output(events + reader.finish(stopped=stopped))
 
 
+@pytest.mark.parametrize("stopped", [True, False], ids=["stop", "cut"])
 @pytest.mark.parametrize("shape", sorted(NO_CALL_SHAPES))
-def test_6_an_opener_that_opens_nothing_reads_the_same_every_way(shape):
+def test_6_an_opener_that_opens_nothing_reads_the_same_every_way(shape, stopped):
     output, thinking, _ = SHAPES[shape]
     start = THINK if thinking else RESPONSE
     want = NO_CALL_SHAPES[shape]
-    ids = output_ids(output, stop=True)
+    ids = output_ids(output, stop=stopped)
     text = "".join(chunk for chunk, _ in token_chunks(ids))
     tokens = token_chunks(ids)
     ways = {"whole": [(text, ids)], "token by token": tokens}
@@ -312,14 +313,14 @@ def test_6_an_opener_that_opens_nothing_reads_the_same_every_way(shape):
             ("".join(t for t, _ in tokens[at:]), ids[at:]),
         ]
     for way, chunks in ways.items():
-        reading = _read_chunks(start, chunks, id_atoms())
+        reading = _read_chunks(start, chunks, id_atoms(), stopped)
         assert (reading.reasoning, reading.content, reading.calls) == (*want, []), way
     plain = output  # atoms as their strings: structure read from the text
     for at in range(len(plain) + 1):
         chunks = [(plain[:at], None), (plain[at:], None)]
-        reading = _read_chunks(start, chunks, TextAtoms())
+        reading = _read_chunks(start, chunks, TextAtoms(), stopped)
         assert (reading.reasoning, reading.content, reading.calls) == (*want, []), at
-    reading = _read_chunks(start, [(ch, None) for ch in plain], TextAtoms())
+    reading = _read_chunks(start, [(ch, None) for ch in plain], TextAtoms(), stopped)
     assert (reading.reasoning, reading.content, reading.calls) == (*want, [])
 
 

@@ -157,21 +157,12 @@ def test_a_sparse_attention_config_is_refused_never_read_dense(dsa_config):
     refuse_sparse_attention(SimpleNamespace())
 
 
-def test_the_model_class_refuses_a_sparse_attention_config_at_build(
-    tiny_k3_checkpoint,
-):
-    from vllm.config import set_current_vllm_config
+@pytest.mark.parametrize("architecture", ["ConditionalGeneration", "CausalLM"])
+def test_the_model_class_refuses_a_sparse_attention_config_first(architecture):
+    """Both registered classes refuse before building anything."""
+    from vllm_k3_plugin.model import model
 
-    from tests.support.in_process import engine_config, kernel_settings
-    from tests.support.one_rank import one_rank
-    from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
-
-    config = engine_config(tiny_k3_checkpoint)
-    config.model_config.hf_text_config.dsa_config = {"dsa_layers": [3, 6]}
-    with (
-        one_rank(config),
-        set_current_vllm_config(config),
-        kernel_settings("pytorch"),
-        pytest.raises(ValueError, match=r"Kimi-K3\.1"),
-    ):
-        KimiK3ForConditionalGeneration(vllm_config=config)
+    text = SimpleNamespace(dsa_config={"dsa_layers": [3, 6]})
+    config = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=text))
+    with pytest.raises(ValueError, match=r"Kimi-K3\.1"):
+        getattr(model, f"KimiK3For{architecture}")(vllm_config=config)
