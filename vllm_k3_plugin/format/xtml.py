@@ -163,9 +163,14 @@ GENERIC_GRAMMAR = TagGrammar()
 
 
 def grammar_for(tool_names: Iterable[str], keys: Iterable[str]) -> TagGrammar:
-    """The grammar of a request declaring these tool names and argument keys."""
-    grammar = TagGrammar(tool_names, keys)
-    return grammar if grammar.widened else GENERIC_GRAMMAR
+    """The grammar of a request declaring these tool names and argument keys (the
+    generic one, built once, unless a declaration widens it)."""
+    tool_names, keys = tuple(tool_names), tuple(keys)
+    if _widening(tool_names, _TOKEN_VALUE, MAX_TOOL_NAME_CHARS) or _widening(
+        keys, _KEY_VALUE, MAX_KEY_CHARS
+    ):
+        return TagGrammar(tool_names, keys)
+    return GENERIC_GRAMMAR
 
 
 class TagText:
