@@ -38,7 +38,7 @@ from vllm_k3_plugin.tools.tokenizer import load_tiktoken_encoding
 WORDS = ("the", "weather", "in", "each", "city", "then", "compare", "the", "days")
 
 
-def _token_chunks(encoding, ids: list[int]) -> Iterator[tuple[str, list[int]]]:
+def token_chunks(encoding, ids: list[int]) -> Iterator[tuple[str, list[int]]]:
     """One ``(text, [id])`` per token; a character split across tokens comes with
     the token that completes it (as the engine's incremental detokenizer)."""
     pending = b""
@@ -75,7 +75,7 @@ def lag(encoding, atoms_for, output: str, start: Channel) -> tuple[int, int]:
     """The most characters held at once, but typed values; and typed values."""
     reader = OutputReader(start, atoms=atoms_for())
     most = most_value = 0
-    for text, ids in _token_chunks(encoding, output_ids(output, stop=True)):
+    for text, ids in token_chunks(encoding, output_ids(output, stop=True)):
         reader.feed(text, ids)
         most = max(most, reader.held_chars)
         most_value = max(most_value, reader.held_value_chars)

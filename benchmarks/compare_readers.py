@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_lag import token_chunks
 from bench_tools import big_argument, many_calls
 
 from vllm_k3_plugin.format import vocab
@@ -67,21 +68,6 @@ def outputs() -> dict[str, tuple[str, bool]]:
     }
 
 
-def token_chunks(encoding, ids):
-    pending = b""
-    chunks = []
-    for token in ids:
-        pending += encoding.decode_single_token_bytes(token)
-        try:
-            text = pending.decode("utf-8")
-        except UnicodeDecodeError:
-            chunks.append(("", [token]))
-            continue
-        pending = b""
-        chunks.append((text, [token]))
-    return chunks
-
-
 def time_reader(output_module, marked_module, tokens, chunks) -> float:
     reader = output_module.OutputReader(
         output_module.Channel.THINK, atoms=marked_module.IdAtoms(tokens)
@@ -109,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---:|---:|---:|---:|---:|")
     for name, (text, _) in outputs().items():
-        chunks = token_chunks(encoding, output_ids(text, stop=False))
+        chunks = list(token_chunks(encoding, output_ids(text, stop=False)))
         readers = {
             "other": (other_output, other_marked),
             "this": (output, marked),

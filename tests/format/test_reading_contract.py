@@ -36,17 +36,21 @@ def argument(key: str) -> Control:
     return Control(f'{OPEN}argument key="{key}" type="string"{SEP}')
 
 
+def _read_chunks(start: Channel, chunks, atoms, stopped: bool = True) -> OutputReading:
+    reader = OutputReader(start, atoms=atoms)
+    events = [event for chunk in chunks for event in reader.feed(*chunk)]
+    return collect_output(events + reader.finish(stopped=stopped))
+
+
 def read(start: Channel, *pieces, stopped: bool = True) -> tuple[OutputReading, str]:
     """The reading, checked equal whole and token by token, and its finish reason."""
     text, ids = encode(*pieces)
     if stopped:
         ids.append(vocab.END_OF_MSG_ID)
-    readings = []
-    for chunks in ([(text, ids)], token_chunks(ids)):
-        reader = OutputReader(start, atoms=id_atoms())
-        events = [e for chunk in chunks for e in reader.feed(*chunk)]
-        readings.append(collect_output(events + reader.finish(stopped=stopped)))
-    whole, streamed = readings
+    whole, streamed = (
+        _read_chunks(start, chunks, id_atoms(), stopped)
+        for chunks in ([(text, ids)], token_chunks(ids))
+    )
     assert streamed == whole
     closed = sum(call.complete for call in whole.calls)
     reason = finish_reason(
@@ -289,12 +293,6 @@ def test_9_the_stop_token_text_never_closes_a_call():
 # -- rule 6: openers that open nothing, read every way ------------------------------
 
 
-def _read_chunks(start: Channel, chunks, atoms, stopped: bool = True) -> OutputReading:
-    reader = OutputReader(start, atoms=atoms)
-    events = [event for chunk in chunks for event in reader.feed(*chunk)]
-    return collect_output(events + reader.finish(stopped=stopped))
-
-
 @pytest.mark.parametrize("stopped", [True, False], ids=["stop", "cut"])
 @pytest.mark.parametrize("shape", sorted(NO_CALL_SHAPES))
 def test_6_an_opener_that_opens_nothing_reads_the_same_every_way(shape, stopped):
@@ -302,8 +300,8 @@ def test_6_an_opener_that_opens_nothing_reads_the_same_every_way(shape, stopped)
     start = THINK if thinking else RESPONSE
     want = NO_CALL_SHAPES[shape]
     ids = output_ids(output, stop=stopped)
-    text = "".join(chunk for chunk, _ in token_chunks(ids))
     tokens = token_chunks(ids)
+    text = "".join(chunk for chunk, _ in tokens)
     ways = {"whole": [(text, ids)], "token by token": tokens}
     # Every split of the ids in two (as the engine hands over tokens), and every
     # split of the text in two read from the text alone (a saved output).

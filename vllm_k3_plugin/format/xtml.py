@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from vllm_k3_plugin.format import vocab
@@ -64,15 +64,14 @@ MAX_TAG_CHARS = _longest_tag(MAX_TOOL_NAME_CHARS, MAX_KEY_CHARS)
 """The longest tag a reader holds when the request declares nothing longer: longer
 text after an atom is not a tag."""
 
-_TOKEN_VALUE = re.compile(r'[^"\s]*')
-_KEY_VALUE = re.compile(r'[^"\n]*')
-
 # The grammar as patterns: a whole tag, and what may still grow into one.
 _NAME = rf"[A-Za-z_][\w.:-]{{0,{MAX_NAME_CHARS - 1}}}"
 _ATTRIBUTE_NAME = rf"[A-Za-z_][\w.-]{{0,{MAX_NAME_CHARS - 1}}}"
 _EQUALS = r'\s*=\s*"'
 _TOKEN = rf'[^"\s]{{0,{MAX_TOOL_NAME_CHARS}}}'
 _KEY = rf'[^"\n]{{0,{MAX_KEY_CHARS}}}'
+_IS_TOKEN = re.compile(_TOKEN).fullmatch
+_IS_KEY = re.compile(_KEY).fullmatch
 
 
 def _value(generic: str, bound: int, declared: tuple[str, ...], *, whole: bool) -> str:
@@ -88,10 +87,10 @@ def _value(generic: str, bound: int, declared: tuple[str, ...], *, whole: bool) 
 
 class TagGrammar:
     """What a tag may hold for one request: the generic bounds, widened by the
-    tools it declares (a declared name or key the generic grammar refuses: with
-    whitespace, or longer than its bound, as vLLM accepts any string). Read as
+    values it declares that they refuse (escaped tool ``names`` and ``keys``: with
+    whitespace, or longer than their bound, as vLLM accepts any string). Read as
     patterns: each step of a tag matches its whole text so far (at most
-    ``max_tag_chars``) in one pass."""
+    ``max_tag_chars``) in one pass. ``grammar_for`` builds one for a request."""
 
     __slots__ = (
         "closer_prefix",
@@ -99,19 +98,12 @@ class TagGrammar:
         "max_tag_chars",
         "opener_prefix",
         "opener_whole",
-        "widened",
     )
 
-    def __init__(
-        self, tool_names: Iterable[str] = (), keys: Iterable[str] = ()
-    ) -> None:
-        names = _widening(tool_names, _TOKEN_VALUE, MAX_TOOL_NAME_CHARS)
-        key_values = _widening(keys, _KEY_VALUE, MAX_KEY_CHARS)
-        self.widened = bool(names or key_values)
-        """Whether a declared name or key widens the generic grammar."""
+    def __init__(self, names: tuple[str, ...] = (), keys: tuple[str, ...] = ()) -> None:
         self.max_tag_chars = _longest_tag(
             max([MAX_TOOL_NAME_CHARS, *map(len, names)]),
-            max([MAX_KEY_CHARS, *map(len, key_values)]),
+            max([MAX_KEY_CHARS, *map(len, keys)]),
         )
         tool, key = (
             {
@@ -120,7 +112,7 @@ class TagGrammar:
             }
             for generic, bound, declared in (
                 (_TOKEN, MAX_TOOL_NAME_CHARS, names),
-                (_KEY, MAX_KEY_CHARS, key_values),
+                (_KEY, MAX_KEY_CHARS, keys),
             )
         )
         # The branches are disjoint (an attribute named ``tool`` or ``key`` takes
@@ -147,14 +139,14 @@ class TagGrammar:
         self.closer_prefix = re.compile(rf"(?:{_NAME}\s*)?").fullmatch
 
 
-def _widening(
-    values: Iterable[str], run: re.Pattern[str], bound: int
+def _refused(
+    values: Iterable[str], fits: Callable[[str], re.Match[str] | None]
 ) -> tuple[str, ...]:
-    """The escaped values the generic grammar (``run``, ``bound``) refuses."""
+    """The escaped ``values`` the generic pattern (``fits``) refuses."""
     return tuple(
         escaped
         for escaped in dict.fromkeys(map(escape_attribute, values))
-        if len(escaped) > bound or run.fullmatch(escaped) is None
+        if fits(escaped) is None
     )
 
 
@@ -165,12 +157,8 @@ GENERIC_GRAMMAR = TagGrammar()
 def grammar_for(tool_names: Iterable[str], keys: Iterable[str]) -> TagGrammar:
     """The grammar of a request declaring these tool names and argument keys (the
     generic one, built once, unless a declaration widens it)."""
-    tool_names, keys = tuple(tool_names), tuple(keys)
-    if _widening(tool_names, _TOKEN_VALUE, MAX_TOOL_NAME_CHARS) or _widening(
-        keys, _KEY_VALUE, MAX_KEY_CHARS
-    ):
-        return TagGrammar(tool_names, keys)
-    return GENERIC_GRAMMAR
+    names, keys = _refused(tool_names, _IS_TOKEN), _refused(keys, _IS_KEY)
+    return TagGrammar(names, keys) if names or keys else GENERIC_GRAMMAR
 
 
 class TagText:

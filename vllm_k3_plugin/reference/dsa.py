@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_k3_plugin.reference import reference as ref
+
 
 def index_scores(
     index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor
@@ -36,7 +38,7 @@ def causal_topk(scores: torch.Tensor, past: int, topk: int) -> torch.Tensor:
     ``topk`` best among those it may see (all of them when it sees fewer). Ties go
     to the earlier position."""
     tokens, positions = scores.shape
-    visible = torch.arange(positions)[None, :] <= (past + torch.arange(tokens))[:, None]
+    visible = ref.causal_mask(tokens, positions, past)
     ranked = scores.float().masked_fill(~visible, float("-inf"))
     # A stable sort keeps equal scores in position order; hidden positions last.
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices

@@ -86,6 +86,12 @@ def route(
 # -- RMSNorm --------------------------------------------------------------------------
 
 
+def causal_mask(tokens: int, positions: int, past: int) -> torch.Tensor:
+    """``[tokens, positions]``: which cached positions each new query (at positions
+    ``past ..``) may see."""
+    return torch.arange(positions)[None, :] <= (past + torch.arange(tokens))[:, None]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)

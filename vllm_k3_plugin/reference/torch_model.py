@@ -237,10 +237,7 @@ class GatedMla(nn.Module):
             state.index_keys[self.layer] = keys
             allowed = self.indexer.select(x, q_latent, keys, past)
         else:
-            allowed = (
-                torch.arange(cache.shape[0])[None, :]
-                <= (past + torch.arange(tokens))[:, None]
-            )
+            allowed = ref.causal_mask(tokens, cache.shape[0], past)
         scores = scores.masked_fill(~allowed, float("-inf"))
         o = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v)
         gate = torch.sigmoid(self.g_proj(x).float()).reshape(
