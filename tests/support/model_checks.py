@@ -1,5 +1,6 @@
 """Shared by the model-class server tests: prompts, a greedy completion read with its
-logprobs, and the PyTorch reference model's logprobs for the same tokens."""
+logprobs, a served run of every prompt, and the PyTorch reference model's logprobs
+for the same tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
+from tests.support.server import TINY_K3_ARGS, running_server
 from tests.support.tensors import assert_close
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.reference.torch_model import SequenceState
@@ -19,6 +21,11 @@ from vllm_k3_plugin.reference.torch_model import SequenceState
 LOGPROB_TOLERANCE = 5e-4
 
 MAX_TOKENS = 12
+
+# The class as it runs on GPUs, its Triton kernels run by the interpreter, with the
+# FP8 latent cache (``triton_kernel_run`` in ``tests/model/conftest.py``).
+TRITON_UNDER_INTERPRETER = {"VLLM_K3_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+FP8_CACHE = ("--kv-cache-dtype", "fp8")
 
 
 def prompts() -> list[list[int]]:
@@ -122,3 +129,20 @@ def assert_logprobs_close(got: list[float], want: list[float], what: str) -> Non
         atol=LOGPROB_TOLERANCE,
         what=f"{what} logprobs",
     )
+
+
+@dataclass(frozen=True)
+class ServedRun:
+    results: list[Greedy]
+    """Each of ``prompts()``'s greedy completions, one request at a time."""
+    log: str
+    """The server's log as it stood before shutdown (stopping a server logs the
+    engine's exit)."""
+
+
+def served_run(checkpoint, log, *args: str, env: dict[str, str]) -> ServedRun:
+    """Serve ``checkpoint`` with ``TINY_K3_ARGS`` and ``args``, read every prompt's
+    greedy completion, stop the server."""
+    with running_server(checkpoint, log, *TINY_K3_ARGS, *args, env=env) as url:
+        results = [greedy(url, ids) for ids in prompts()]
+        return ServedRun(results, log.read_text(errors="replace"))
