@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from tests.support.tensors import assert_close
+from vllm_k3_plugin.reference import torch_model
 from vllm_k3_plugin.reference.checkpoint_format import DsaConfigError, dsa_settings
-from vllm_k3_plugin.reference.dsa import causal_topk, index_scores
+from vllm_k3_plugin.reference.dsa import causal_topk, index_scores, selection_margin
 from vllm_k3_plugin.reference.torch_model import GatedMla, SequenceState
 from vllm_k3_plugin.tools.tiny import tiny_text_config
 
@@ -104,7 +105,7 @@ def test_mla_over_a_selection_is_dense_mla_over_those_positions(monkeypatch):
     mask = torch.zeros(8, 8, dtype=torch.bool)
     for t, positions in chosen.items():
         mask[t, positions] = True
-    monkeypatch.setattr(layer.indexer, "select", lambda *args: mask)
+    monkeypatch.setattr(torch_model, "causal_topk", lambda *args: mask)
     dense = _layer(None)
     dense.load_state_dict(
         {k: v for k, v in layer.state_dict().items() if not k.startswith("indexer.")}
@@ -187,6 +188,21 @@ def test_the_tiny_k31_checkpoint_is_read_sparse_and_differs_from_dense_past_topk
     assert (got[TOPK:] - want[TOPK:]).abs().amax(dim=-1).min() > 1e-3
 
 
+def test_the_selection_margin_is_the_gap_at_the_top_k_boundary():
+    scores = torch.tensor(
+        [
+            [0.5, 0.9, 0.1, 9.0, 9.0],  # sees 3: second best 0.5, third 0.1
+            [0.3, 0.7, 0.2, 0.4, 9.0],  # sees 4: second best 0.4, third 0.3
+            [0.0, 0.1, 0.7, 0.2, 0.2],  # sees 5: a tie across the boundary
+        ]
+    )
+    margins = selection_margin(scores, past=2, topk=2)
+    assert_close(margins, torch.tensor([0.4, 0.1, 0.0]), atol=1e-7, what="margins")
+    # A query that sees at most topk positions selects them all.
+    assert selection_margin(scores, past=2, topk=3)[0] == float("inf")
+    assert selection_margin(scores[:, :2], past=0, topk=2).isinf().all()
+
+
 def test_the_indexer_reads_the_normed_query_latent_and_the_layer_input(monkeypatch):
     """The selection the layer uses, against one computed here from its weights:
     ``wq_b`` on the query latent after ``q_a_layernorm`` (random norm weights, so a
@@ -195,9 +211,9 @@ def test_the_indexer_reads_the_normed_query_latent_and_the_layer_input(monkeypat
     x = torch.randn(9, 64) * 0.5
     layer = _layer(3, seed=3)
     used = []
-    select = layer.indexer.select
+    scores = layer.indexer.scores
     monkeypatch.setattr(
-        layer.indexer, "select", lambda *args: used.append(select(*args)) or used[-1]
+        layer.indexer, "scores", lambda *args: used.append(scores(*args)) or used[-1]
     )
     with torch.no_grad():
         layer(x, SequenceState())
@@ -217,6 +233,6 @@ def test_the_indexer_reads_the_normed_query_latent_and_the_layer_input(monkeypat
             return causal_topk(torch.einsum("ths,th->ts", dots, weights), 0, 3)
 
         want, before_norm = selection(q_latent), selection(q_a)
-    assert torch.equal(used[0], want)
+    assert torch.equal(causal_topk(used[0], 0, 3), want)
     # The latent before its norm picks otherwise here: the check tells them apart.
     assert not torch.equal(want, before_norm)

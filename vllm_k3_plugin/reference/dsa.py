@@ -47,3 +47,37 @@ def causal_topk(scores: torch.Tensor, past: int, topk: int) -> torch.Tensor:
     selected = torch.zeros_like(visible)
     selected.scatter_(1, order, chosen)
     return selected
+
+
+def selection_margin(scores: torch.Tensor, past: int, topk: int) -> torch.Tensor:
+    """``[T]``: how far each query's selection (``causal_topk``) is from another,
+    its ``topk``-th best visible score less the next one; ``inf`` where it sees at
+    most ``topk`` positions (it selects them all)."""
+    tokens, positions = scores.shape
+    visible = ref.causal_mask(tokens, positions, past)
+    ranked = scores.float().masked_fill(~visible, float("-inf"))
+    if positions <= topk:
+        return torch.full((tokens,), float("inf"))
+    best = torch.topk(ranked, topk + 1, dim=-1).values
+    margin = best[:, topk - 1] - best[:, topk]
+    return torch.where(visible.sum(dim=-1) > topk, margin, float("inf"))
+
+
+def attend_selected(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    value_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA in its absorbed form over each query's own selection: ``[T, H, C]``
+    queries against the ``[T, K, C]`` latent rows each selected (``valid`` ``[T,
+    K]`` marks the real ones; each query has at least one). Returns the ``[T, H,
+    value_dim]`` outputs over the rows' first ``value_dim`` columns and the ``[T,
+    H]`` log-sum-exp, both fp32."""
+    rows = rows.float()
+    scores = torch.einsum("thc,tkc->thk", q.float(), rows) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    return torch.einsum("thk,tkc->thc", probs, rows[..., :value_dim]), lse

@@ -30,7 +30,11 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     is_dsa_layer,
     situ_betas,
 )
-from vllm_k3_plugin.reference.dsa import causal_topk, index_scores
+from vllm_k3_plugin.reference.dsa import (
+    causal_topk,
+    index_scores,
+    selection_margin,
+)
 
 
 @dataclass
@@ -44,6 +48,9 @@ class SequenceState:
     mla: dict[int, torch.Tensor] = field(default_factory=dict)
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per DSA layer, the indexer key of every token so far (K3.1)."""
+    selection_margins: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per DSA layer, each token's ``dsa.selection_margin`` so far: where it is
+    near zero, another order of summation may select otherwise."""
     length: int = 0
 
 
@@ -162,19 +169,14 @@ class Indexer(nn.Module):
         """The keys of new positions, to cache (``[T, D]``, fp32)."""
         return self.k_norm(self.wk(x)).float()
 
-    def select(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        keys: torch.Tensor,
-        past: int,
+    def scores(
+        self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
-        """The ``[T, S]`` mask of the positions each new query attends to, given
-        every cached key (``keys``, ``[S, D]``, the new ones last)."""
+        """The ``[T, S]`` scores of the new queries against every cached key
+        (``keys``, ``[S, D]``, the new ones last)."""
         tokens = x.shape[0]
         index_q = self.wq_b(q_latent).reshape(tokens, self.heads, self.dim)
-        scores = index_scores(index_q, keys, self.weights_proj(x))
-        return causal_topk(scores, past, self.topk)
+        return index_scores(index_q, keys, self.weights_proj(x))
 
 
 class GatedMla(nn.Module):
@@ -235,7 +237,13 @@ class GatedMla(nn.Module):
             if previous_keys is not None:
                 keys = torch.cat([previous_keys, keys])
             state.index_keys[self.layer] = keys
-            allowed = self.indexer.select(x, q_latent, keys, past)
+            scores_k = self.indexer.scores(x, q_latent, keys)
+            allowed = causal_topk(scores_k, past, self.indexer.topk)
+            margins = selection_margin(scores_k, past, self.indexer.topk)
+            before = state.selection_margins.get(self.layer)
+            state.selection_margins[self.layer] = (
+                margins if before is None else torch.cat([before, margins])
+            )
         else:
             allowed = ref.causal_mask(tokens, cache.shape[0], past)
         scores = scores.masked_fill(~allowed, float("-inf"))
