@@ -52,6 +52,7 @@ VLLM_033_TESTS=(
     tests/tools/test_capture.py
     tests/model/test_vllm_model_layers.py
     tests/model/test_fused_moe_loader.py
+    tests/model/test_dsa_layers.py
 )
 SLOWEST=--durations=15
 

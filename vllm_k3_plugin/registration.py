@@ -23,8 +23,13 @@
    ``request_hooks``: chat completions' ``thinking`` object switches the template's
    thinking.
 
-4. ``ModelRegistry.register_model`` for ``KimiK3ForConditionalGeneration`` (the
-   published checkpoint's architecture) and ``KimiK3ForCausalLM`` (text only): our
+4. ``ModelRegistry.register_model`` for ``KimiK3ForConditionalGeneration`` and
+   ``KimiK31ForConditionalGeneration`` (the published checkpoints' architectures;
+   on vLLM before 0.34, also K3.1's ``kimi_k31`` config, read by vLLM's K3 config
+   class as 0.34 reads it, and K3.1's thinking efforts for a ``kimi_k31`` model
+   in vLLM's K3 renderer, as 0.34 reads them: ``parsers.k31_efforts``, installed
+   before the API server builds its renderer) and ``KimiK3ForCausalLM`` (text
+   only): our
    model class, imported lazily by the process that builds the model; and
    ``KimiK3MTPModel``, our drafter on the checkpoint's MTP layers (its hidden states
    are our class's). vLLM logs the override. By default only on the CPU
@@ -40,6 +45,8 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+
+from vllm_k3_plugin.reference.checkpoint_format import K3_WRAPPER, K31_WRAPPER
 
 _COMPOSE_MARK = "_vllm_k3_plugin_wrapped"
 
@@ -124,7 +131,13 @@ def say_once_logging_is_configured(logger: Any, *line: Any) -> None:
 
 
 MODEL_MODULE = "vllm_k3_plugin.model.model"
-MODEL_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM")
+# Each architecture the plugin serves, and its class in MODEL_MODULE: Kimi-K3.1's
+# wrapper is Kimi-K3's with ``dsa_config`` in its text config.
+MODEL_CLASSES = {
+    K3_WRAPPER[1]: "KimiK3ForConditionalGeneration",
+    K31_WRAPPER[1]: "KimiK3ForConditionalGeneration",
+    "KimiK3ForCausalLM": "KimiK3ForCausalLM",
+}
 # vLLM's speculative config names this architecture for a kimi_k3 checkpoint's MTP
 # draft layers (``--speculative-config '{"method": "mtp"}'``).
 MTP_ARCHITECTURE = "KimiK3MTPModel"
@@ -135,11 +148,24 @@ def _register_model_classes() -> None:
     from vllm import ModelRegistry
 
     from vllm_k3_plugin.model import cpu_config
+    from vllm_k3_plugin.parsers import k31_efforts
 
-    for architecture in MODEL_ARCHITECTURES:
-        ModelRegistry.register_model(architecture, f"{MODEL_MODULE}:{architecture}")
+    for architecture, name in MODEL_CLASSES.items():
+        ModelRegistry.register_model(architecture, f"{MODEL_MODULE}:{name}")
     ModelRegistry.register_model(MTP_ARCHITECTURE, MTP_CLASS)
-    cpu_config.install(MODEL_ARCHITECTURES)
+    _register_k31_config()
+    k31_efforts.install()
+    cpu_config.install(tuple(MODEL_CLASSES), like={K31_WRAPPER[1]: K3_WRAPPER[1]})
+
+
+def _register_k31_config() -> None:
+    """vLLM before 0.34 reads ``kimi_k3`` configs only; Kimi-K3.1's is the same
+    class (its ``dsa_config`` kept as given), as 0.34 registers it."""
+    from vllm.transformers_utils import config
+
+    k31, k3 = K31_WRAPPER[0], K3_WRAPPER[0]
+    if k31 not in config._CONFIG_REGISTRY and k3 in config._CONFIG_REGISTRY:
+        config._CONFIG_REGISTRY[k31] = config._CONFIG_REGISTRY[k3]
 
 
 def _register_reasoning_parser() -> None:

