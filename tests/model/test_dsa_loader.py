@@ -83,7 +83,7 @@ def test_the_class_loads_every_real_indexer_tensor(vllm_config, checkpoint_tenso
             config,
             dsa_settings(text),
             latent_layer=SimpleNamespace(),
-            topk_slots=topk_slot_buffer(vllm_config, REAL_DSA["index_topk"]),
+            topk_slots=topk_slot_buffer(REAL_DSA["index_topk"]),
             prefix=INDEXER.rstrip("."),
         )
     shapes = {name.removeprefix(INDEXER): s for name, s in checkpoint_tensors.items()}

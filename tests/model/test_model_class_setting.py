@@ -180,6 +180,14 @@ def test_a_sparse_attention_config_it_cannot_honour_is_refused_on_the_cpu():
     shared_index = SimpleNamespace(dsa_config={**K31_DSA, "index_topk_freq": 2})
     with pytest.raises(DsaConfigError, match="index_topk_freq 2"):
         sparse_attention(shared_index, on_cpu=True)
+    # DSA named on a KDA layer (1) and past the last layer (7), of the tiny layout.
+    misplaced = SimpleNamespace(
+        dsa_config={**K31_DSA, "dsa_layers": [1, 3, 7]},
+        num_hidden_layers=6,
+        linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3, 6]},
+    )
+    with pytest.raises(DsaConfigError, match=r"dsa_layers \[1, 7\]"):
+        sparse_attention(misplaced, on_cpu=True)
 
 
 @pytest.mark.parametrize("architecture", ["ConditionalGeneration", "CausalLM"])

