@@ -32,8 +32,9 @@ KERNELS_ON_034+=(
     "--deselect=tests/kernels/test_cross_compile.py::test_every_launch_compiles_with_the_oldest_triton_supported"
 )
 # What no vLLM takes part in (the format core and its readers over the KVV
-# schemas, the PyTorch reference, the host-read watch, reader memory, the wheel):
-# once, on 0.34, whose run is the whole suite.
+# schemas, the PyTorch reference, the host-read watch, reader memory, the wheel,
+# the replay of a large file through our readers): once, on 0.34, whose run is
+# the whole suite.
 VLLM_INDEPENDENT=(
     --ignore=tests/format
     --ignore=tests/reference
@@ -41,6 +42,7 @@ VLLM_INDEPENDENT=(
     --ignore=tests/test_host_reads.py
     --ignore=tests/test_memory.py
     --ignore=tests/test_wheel.py
+    "--deselect=tests/tools/test_replay.py::test_ten_thousand_outputs_of_20_kb"
 )
 # Malformed outputs through every reading: forced ids, the same on the stand-in
 # engine; and several API server processes counting into one scrape: vLLM's

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
 STAND_IN = ("--worker-cls", "support.graph_standin_worker.StandInCaptureWorker")
 MAX_TOKENS = 6
-PROMPTS = 5
+PROMPTS = 3  # 1, 3 and 7 tokens: prefills of one and several, then decodes
 # The tiny checkpoint's attention layers: 4 KDA and 2 MLA (``tools.tiny``).
 BREAKS_PER_FORWARD = 6
 
