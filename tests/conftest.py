@@ -132,6 +132,17 @@ def tiny_k3_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_k31_checkpoint(tmp_path_factory):
+    """The tiny Kimi-K3.1 checkpoint (sparse attention on its MLA layers)."""
+    from tests.support.model_checks import K31_INDEX_TOPK
+    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
+
+    return write_tiny_k3_checkpoint(
+        tmp_path_factory.mktemp("tiny-k31"), dsa_topk=K31_INDEX_TOPK
+    )
+
+
+@pytest.fixture(scope="session")
 def k3_reference_model(tiny_k3_checkpoint):
     """The plain-PyTorch K3 text model, fp32, loaded from the tiny checkpoint."""
     from tests.support.model_checks import load_reference_model

@@ -188,21 +188,14 @@ def test_a_key_cache_apart_from_its_latent_is_refused_by_name():
 
 
 @pytest.fixture(scope="module")
-def k31_checkpoint(tmp_path_factory):
-    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
-
-    return write_tiny_k3_checkpoint(tmp_path_factory.mktemp("tiny-k31"), dsa_topk=4)
-
-
-@pytest.fixture(scope="module")
-def k31_model(k31_checkpoint):
+def k31_model(tiny_k31_checkpoint):
     """The class as ``vllm serve`` resolves and builds it for the K3.1 checkpoint."""
     from vllm.config import set_current_vllm_config
 
     from vllm_k3_plugin.registration import register_all
 
     register_all()
-    config = engine_config(k31_checkpoint)
+    config = engine_config(tiny_k31_checkpoint)
     assert config.model_config.architecture == K31_WRAPPER[1]
     model_cls, _ = config.model_config.registry.resolve_model_cls(
         config.model_config.architecture, model_config=config.model_config
@@ -228,14 +221,14 @@ def _k31_weights(checkpoint) -> dict[str, torch.Tensor]:
 
 
 def test_the_k31_checkpoint_builds_sparse_layers_and_loads_every_tensor(
-    k31_model, k31_checkpoint
+    k31_model, tiny_k31_checkpoint
 ):
     from vllm_k3_plugin.model.mla_backend import K3CpuSparseMlaImpl
     from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
 
     model, config = k31_model
     assert type(model) is KimiK3ForConditionalGeneration
-    assert model.load_weights(_k31_weights(k31_checkpoint).items()) == {
+    assert model.load_weights(_k31_weights(tiny_k31_checkpoint).items()) == {
         name for name, _ in model.named_parameters()
     }
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -260,13 +253,13 @@ def test_the_k31_checkpoint_builds_sparse_layers_and_loads_every_tensor(
 
 @pytest.mark.parametrize("tensor", ["wq_b.weight", "k_norm.bias"])
 def test_a_missing_or_misshapen_indexer_tensor_is_named(
-    k31_model, k31_checkpoint, tensor
+    k31_model, tiny_k31_checkpoint, tensor
 ):
     from vllm_k3_plugin.model.model import MissingWeightsError
 
     model, _ = k31_model
     name = f"model.layers.{DSA_LAYERS[0]}.self_attn.indexer.{tensor}"
-    weights = _k31_weights(k31_checkpoint)
+    weights = _k31_weights(tiny_k31_checkpoint)
     stored = LANGUAGE_MODEL_PREFIX + name
     misshapen = {**weights, stored: weights[stored][:-1]}
     with pytest.raises(WeightShapeError, match=re.escape(name)):

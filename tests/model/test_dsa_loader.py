@@ -45,13 +45,11 @@ def checkpoint_tensors() -> dict[str, tuple[int, ...]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_config(tmp_path_factory):
+def vllm_config(tiny_k31_checkpoint):
     from vllm_k3_plugin.registration import register_all
-    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
 
     register_all()
-    checkpoint = write_tiny_k3_checkpoint(tmp_path_factory.mktemp("k31"), dsa_topk=4)
-    with one_rank(engine_config(checkpoint)) as config:
+    with one_rank(engine_config(tiny_k31_checkpoint)) as config:
         config.compilation_config.static_forward_context.clear()
         yield config
 

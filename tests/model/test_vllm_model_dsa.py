@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.support.model_checks import (
+    K31_INDEX_TOPK,
     assert_logprobs_close,
     greedy,
     greedy_concurrently,
@@ -34,7 +35,7 @@ from vllm_k3_plugin.reference.torch_model import K3TextModel, SequenceState
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
-INDEX_TOPK = 16
+INDEX_TOPK = K31_INDEX_TOPK
 # Prompts longer than the top-k: their prefill is already sparse.
 LONG = [ids for ids in prompts() if len(ids) > INDEX_TOPK]
 # Index scores summed in another order move by about 1e-6 here: where a query's
@@ -48,23 +49,15 @@ DENSE_APART = 100 * 5e-4
 
 
 @pytest.fixture(scope="module")
-def k31_checkpoint(tmp_path_factory):
-    from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint
-
-    return write_tiny_k3_checkpoint(
-        tmp_path_factory.mktemp("tiny-k31"), dsa_topk=INDEX_TOPK
-    )
+def reference(tiny_k31_checkpoint):
+    return load_reference_model(tiny_k31_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def reference(k31_checkpoint):
-    return load_reference_model(k31_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def dense_reference(k31_checkpoint, reference):
+def dense_reference(tiny_k31_checkpoint, reference):
     """The same weights with a top-k past every position: dense MLA."""
-    text = json.loads((k31_checkpoint / "config.json").read_text())["text_config"]
+    config = tiny_k31_checkpoint / "config.json"
+    text = json.loads(config.read_text())["text_config"]
     text["dsa_config"]["index_topk"] = 1 << 20
     model = K3TextModel(text)
     model.load_state_dict(reference.state_dict())
@@ -77,8 +70,8 @@ def server_log(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def k31_server(k31_checkpoint, server_log):
-    with running_server(k31_checkpoint, server_log, *TINY_K3_ARGS) as url:
+def k31_server(tiny_k31_checkpoint, server_log):
+    with running_server(tiny_k31_checkpoint, server_log, *TINY_K3_ARGS) as url:
         yield url
 
 
@@ -97,23 +90,22 @@ def test_the_server_builds_the_sparse_layers(alone, server_log):
     assert "Traceback" not in log
 
 
-def _near_ties(model, ids: list[int], tokens: list[int]) -> set[int]:
-    """The positions of ``ids + tokens`` whose selection, in some DSA layer, is
-    within ``SELECTION_TIE`` of another (``reference.dsa.selection_margin``)."""
-    state = SequenceState()
-    with torch.no_grad():
-        model(torch.tensor(ids + tokens), state)
+def _near_ties(state: SequenceState) -> set[int]:
+    """The positions of the sequence ``state`` read whose selection, in some DSA
+    layer, is within ``SELECTION_TIE`` of another
+    (``reference.dsa.selection_margin``)."""
     margins = torch.stack(list(state.selection_margins.values())).amin(dim=0)
     return set(torch.nonzero(margins < SELECTION_TIE).flatten().tolist())
 
 
 def _assert_reference(batch, served, model) -> None:
     for ids, got in zip(batch, served, strict=True):
-        want = reference_logprobs(model, ids, got.tokens)
+        state = SequenceState()
+        want = reference_logprobs(model, ids, got.tokens, state)
         assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
         # Prompt logprob i is read at position i, generated logprob j at the
         # prompt's last position + j.
-        ties = _near_ties(model, ids, got.tokens)
+        ties = _near_ties(state)
         positions = len(ids) + len(got.tokens)
         assert 10 * len(ties) <= positions + 9, f"prompt of {len(ids)}: {ties}"
         prompt = [i for i in range(len(ids) - 1) if i not in ties]

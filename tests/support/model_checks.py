@@ -21,6 +21,9 @@ from vllm_k3_plugin.reference.torch_model import SequenceState
 LOGPROB_TOLERANCE = 5e-4
 
 MAX_TOKENS = 12
+# The tiny K3.1 checkpoint's top-k (``tiny_k31_checkpoint``): the longer prompts and
+# every step after them attend sparsely.
+K31_INDEX_TOPK = 16
 
 # The class as it runs on GPUs, its Triton kernels run by the interpreter, with the
 # FP8 latent cache (``triton_kernel_run`` in ``tests/model/conftest.py``).
@@ -107,10 +110,13 @@ def load_reference_model(checkpoint):
     return model.float().eval()
 
 
-def reference_logprobs(model, ids: list[int], generated: list[int]) -> Greedy:
-    """What the reference model gives for ``ids`` then ``generated``, in one pass."""
+def reference_logprobs(
+    model, ids: list[int], generated: list[int], state: SequenceState | None = None
+) -> Greedy:
+    """What the reference model gives for ``ids`` then ``generated``, in one pass
+    (``state``: the sequence state it fills, to read after)."""
     with torch.no_grad():
-        logits = model(torch.tensor(ids + generated), SequenceState())
+        logits = model(torch.tensor(ids + generated), state or SequenceState())
     logprobs = torch.log_softmax(logits.double(), dim=-1)
     full = ids + generated
     steps = range(len(ids) - 1, len(full) - 1)

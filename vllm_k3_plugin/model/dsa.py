@@ -107,6 +107,7 @@ class IndexKeyCache(nn.Module, AttentionLayerBase):
         self.kv_cache = torch.tensor([])
         # Not a submodule: the MLA layer belongs to the attention module.
         self._latent_layer = (latent_layer,)
+        self._pages_checked = False
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -128,6 +129,13 @@ class IndexKeyCache(nn.Module, AttentionLayerBase):
                 f"{self.prefix}: {self.key_width} fp32 indexer key values do not fit "
                 f"the MLA latent's {row_bytes}-byte rows"
             )
+
+    def check_pages_once(self, slot_mapping: dict | list) -> None:
+        """``check_shared_pages`` against the latent layer, at the first step."""
+        if not self._pages_checked:
+            latent = getattr(self._latent_layer[0], "layer_name", None)
+            check_shared_pages(self.prefix, latent, slot_mapping)
+            self._pages_checked = True
 
     def key_pages(self) -> torch.Tensor:
         """``[pages, page tokens, row bytes / 4]``: the pages as fp32 rows, each
@@ -166,24 +174,17 @@ class K3Indexer(nn.Module):
         self.k_norm = norm(self.dim, eps)
         self.k_cache = IndexKeyCache(latent_layer, self.dim, f"{prefix}.k_cache")
         self.topk_slots = topk_slots
-        self._latent_name = getattr(latent_layer, "layer_name", None)
-        self._pages_checked = False
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor) -> None:
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
+        metadata = context.attn_metadata
         if metadata is None:  # the profile run: no cache yet
             return
         if isinstance(metadata, list):
             raise NotImplementedError("Kimi-K3.1 DSA with micro-batches")
         step: IndexKeyMetadata = metadata[self.k_cache.prefix]
         tokens = step.num_tokens
-        if not self._pages_checked:
-            check_shared_pages(
-                self.k_cache.prefix,
-                self._latent_name,
-                get_forward_context().slot_mapping,
-            )
-            self._pages_checked = True
+        self.k_cache.check_pages_once(context.slot_mapping)
         x, q_latent = x[:tokens], q_latent[:tokens]
         keys = self.k_norm(self.wk(x)[0]).float()
         pages = self.k_cache.key_pages()

@@ -38,14 +38,24 @@ FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 SPARSE_ROWS = 64
 
 
-def k3_mla_decode(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer):
-    """``forward_mqa`` of our backends: ``(out [rows, H, kv_lora_rank], lse)``."""
+def _mqa_inputs(q, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query as one ``[rows, H, latent + rope]`` tensor (vLLM may hand it in
+    two parts), and the latent cache in the platform's FP8 dtype where it is stored
+    as bytes."""
     from vllm.platforms import current_platform
 
-    decode = attn_metadata.decode
-    assert decode is not None
     if isinstance(q, tuple):
         q = torch.cat(q, dim=-1)
+    if kv_cache.dtype == torch.uint8:
+        kv_cache = kv_cache.view(current_platform.fp8_dtype())
+    return q, kv_cache
+
+
+def k3_mla_decode(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+    """``forward_mqa`` of our backends: ``(out [rows, H, kv_lora_rank], lse)``."""
+    decode = attn_metadata.decode
+    assert decode is not None
+    q, kv_cache = _mqa_inputs(q, kv_c_and_k_pe_cache)
     total_rows, heads, width = q.shape
     block_table, seq_lens = decode.block_table, decode.seq_lens
     requests = seq_lens.shape[0]
@@ -60,9 +70,6 @@ def k3_mla_decode(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         block_table = block_table.repeat_interleave(rows, dim=0)
         seq_lens = seq_lens.repeat_interleave(rows)
         rows = 1
-    kv_cache = kv_c_and_k_pe_cache
-    if kv_cache.dtype == torch.uint8:
-        kv_cache = kv_cache.view(current_platform.fp8_dtype())
     out, lse = mla_decode(
         q.reshape(-1, rows, heads, width),
         kv_cache,
@@ -121,14 +128,8 @@ def k3_sparse_mla(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer):
     """``forward_mqa`` of the sparse backend, for every token of the step (prefill
     included): each row attends over the cache slots its indexer selected
     (``impl.topk_slots``, -1 for none)."""
-    from vllm.platforms import current_platform
-
-    if isinstance(q, tuple):
-        q = torch.cat(q, dim=-1)
+    q, kv_cache = _mqa_inputs(q, kv_c_and_k_pe_cache)
     total_rows, heads, _ = q.shape
-    kv_cache = kv_c_and_k_pe_cache
-    if kv_cache.dtype == torch.uint8:
-        kv_cache = kv_cache.view(current_platform.fp8_dtype())
     page_tokens = kv_cache.shape[1]
     scale = layer._k_scale_float if kv_cache.element_size() == 1 else 1.0
     out = q.new_empty(total_rows, heads, impl.kv_lora_rank)

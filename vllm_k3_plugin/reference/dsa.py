@@ -32,14 +32,23 @@ def index_scores(
     return torch.einsum("ths,th->ts", dots, weights.float()) * scale
 
 
+def _visible_ranked(
+    scores: torch.Tensor, past: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[T, S]`` mask of the positions each query may see, and its scores
+    (fp32) with the others at ``-inf``."""
+    tokens, positions = scores.shape
+    visible = ref.causal_mask(tokens, positions, past)
+    return visible, scores.float().masked_fill(~visible, float("-inf"))
+
+
 def causal_topk(scores: torch.Tensor, past: int, topk: int) -> torch.Tensor:
     """``[T, S]`` scores of queries at positions ``past ..`` against positions
     ``0 .. S-1``: the ``[T, S]`` mask of the positions each query attends to, its
     ``topk`` best among those it may see (all of them when it sees fewer). Ties go
     to the earlier position."""
-    tokens, positions = scores.shape
-    visible = ref.causal_mask(tokens, positions, past)
-    ranked = scores.float().masked_fill(~visible, float("-inf"))
+    visible, ranked = _visible_ranked(scores, past)
+    positions = scores.shape[1]
     # A stable sort keeps equal scores in position order; hidden positions last.
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     keep = torch.clamp(visible.sum(dim=-1, keepdim=True), max=topk)
@@ -53,9 +62,8 @@ def selection_margin(scores: torch.Tensor, past: int, topk: int) -> torch.Tensor
     """``[T]``: how far each query's selection (``causal_topk``) is from another,
     its ``topk``-th best visible score less the next one; ``inf`` where it sees at
     most ``topk`` positions (it selects them all)."""
+    visible, ranked = _visible_ranked(scores, past)
     tokens, positions = scores.shape
-    visible = ref.causal_mask(tokens, positions, past)
-    ranked = scores.float().masked_fill(~visible, float("-inf"))
     if positions <= topk:
         return torch.full((tokens,), float("inf"))
     best = torch.topk(ranked, topk + 1, dim=-1).values
