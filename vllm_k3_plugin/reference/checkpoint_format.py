@@ -95,11 +95,13 @@ class DsaConfigError(ValueError):
 
 
 def dsa_settings(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The text config's ``dsa_config``, checked; ``None`` for a dense model."""
+    """The text config's ``dsa_config`` (a dict, or an object with its fields),
+    checked; ``None`` for a dense model."""
     dsa = config.get("dsa_config")
     if dsa is None:
         return None
-    dsa = dict(dsa)
+    # A dict as stored; vLLM 0.34's config holds a dataclass.
+    dsa = dict(dsa) if isinstance(dsa, dict) else dict(vars(dsa))
     if "dsa_layers" not in dsa and "layers" in dsa:
         dsa["dsa_layers"] = dsa.pop("layers")
     problems = []
