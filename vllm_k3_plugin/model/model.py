@@ -304,8 +304,9 @@ def sparse_attention(
             "served by the vllm-k3-plugin model class on the CPU, and on CUDA GPUs "
             "with vLLM's Kimi-K3.1 layers (vLLM 0.34 or later); this vLLM has none "
             "for this platform, and attending densely would be wrong past "
-            f"index_topk tokens. Serve it with {MODEL_CLASS_ENV}=vllm on a vLLM that "
-            "has the Kimi-K3.1 class"
+            f"index_topk tokens. vLLM's own class ({MODEL_CLASS_ENV}=vllm) serves "
+            "Kimi-K3.1 on CUDA GPUs with vLLM 0.34 or later; its ROCm Kimi-K3 class "
+            "has no sparse attention"
         )
     layout = ("num_hidden_layers", "linear_attn_config")
     return dsa_settings(
@@ -655,6 +656,9 @@ def check_cuda_graphs(vllm_config: VllmConfig, model: nn.Module, *, on_gpu: bool
       host); a decode-only step, with or without draft tokens, reads nothing back
       and is captured whole in a full graph (``KdaAttention._decode_only``,
       ``_windows``). Its metadata is vLLM's GDN builder's (uniform batches).
+    - Kimi-K3.1's indexer (vLLM's, CUDA): vLLM's ``sparse_attn_indexer`` op, an
+      eager break in breakable graphs and inside full decode graphs, as in vLLM's
+      own K3.1 class.
     - MLA: vLLM's ``MLAAttention``, a break. Under ``K3_TRITON_MLA`` (metadata:
       vLLM's Triton MLA builder, uniform batches) our decode kernel splits each
       row's own length on the device, its split count fixed at capture from the
