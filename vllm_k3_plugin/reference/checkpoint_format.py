@@ -113,18 +113,29 @@ def dsa_settings(config: dict[str, Any]) -> dict[str, Any] | None:
         problems.append(f"index_k_norm_type {dsa['index_k_norm_type']!r}")
     if int(dsa.get("index_topk", 2048)) < 1:
         problems.append(f"index_topk {dsa['index_topk']}")
-    not_mla = sorted(_not_mla_layers(config, dsa.get("dsa_layers", ())))
-    if not_mla:
+    layers = dsa.get("dsa_layers")
+    if not _is_layer_list(layers):
+        # vLLM requires the list: a model read without it would be dense.
+        problems.append(
+            f"dsa_layers {layers!r} (the MLA layers with DSA, a list counted from 1)"
+        )
+    elif not_mla := sorted(_not_mla_layers(config, layers)):
         problems.append(f"dsa_layers {not_mla} (counted from 1) are not MLA layers")
     if problems:
         raise DsaConfigError("dsa_config not supported: " + "; ".join(problems))
     return {
-        "dsa_layers": frozenset(dsa.get("dsa_layers", ())),
+        "dsa_layers": frozenset(layers),
         "index_topk": int(dsa.get("index_topk", 2048)),
         "index_head_dim": int(dsa.get("index_head_dim", 64)),
         "index_num_heads": int(dsa.get("index_num_heads", 16)),
         "index_k_norm_type": dsa.get("index_k_norm_type", "rmsnorm"),
     }
+
+
+def _is_layer_list(layers: Any) -> bool:
+    return isinstance(layers, list | tuple) and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in layers
+    )
 
 
 def _not_mla_layers(config: dict[str, Any], dsa_layers) -> set[int]:
