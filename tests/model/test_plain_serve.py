@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 
+from tests.support.model_checks import amx_tiles
 from tests.support.server import plain_server
 from tests.test_doc_commands import SERVE_ON_CPU
 from vllm_k3_plugin.model.cpu_config import settle_cpu_config
@@ -59,12 +60,7 @@ def test_a_plain_serve_of_the_checkpoint_replies(tiny_k3_checkpoint, tmp_path, e
     assert len(said) <= 2, said  # once per process that builds the config
     said = "\n".join(said)
     assert ("quantization mxfp4 off" in said) == ("--dtype" in extra), said
-    assert ("prefix caching off" in said) == (not _amx_tiles()), said
-
-
-def _amx_tiles() -> bool:
-    # The served config keeps vLLM's attention backend choice.
-    return torch.cpu._is_amx_tile_supported()
+    assert ("prefix caching off" in said) == (not amx_tiles()), said
 
 
 def _config(*, dtype, quantization="mxfp4", use_mla=True, prefix_caching=True):
@@ -125,7 +121,7 @@ def test_vllms_config_build_runs_the_hook(tiny_k3_checkpoint, dtype, quantizatio
     config = _built(tiny_k3_checkpoint, dtype)
     assert config.model_config.quantization == quantization
     assert (config.quant_config is None) == (quantization is None)
-    if not _amx_tiles():
+    if not amx_tiles():
         assert config.cache_config.enable_prefix_caching is False
 
 

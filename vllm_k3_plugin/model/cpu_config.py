@@ -208,8 +208,7 @@ def _hook(theirs: type) -> type:
 def _keep_chunked_prefill(platform: type, architectures: tuple[str, ...]) -> None:
     """Wrap ``platform``'s config hook (idempotent): after it, a model of
     ``architectures`` that ``reads_prefill_context``, served without speculative
-    decoding,
-    gets back the chunked prefill it asked for."""
+    decoding, gets back the chunked prefill it asked for."""
     if platform.__dict__.get(_CHUNKED_MARK, False):
         return
     original = platform.check_and_update_config.__func__
