@@ -180,15 +180,15 @@ def running_server(
     log_path: Path,
     *extra: str,
     timeout_s: float = 600.0,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     cli: bool = False,
     forcing: bool = True,
     tokenizer_mode: str | None = K3_TOKENIZER_MODE,
 ) -> Iterator[str]:
     """Yield the base URL of a server that answers ``/health``; stop it after.
-    ``env`` adds to (or overrides) the server's environment; ``cli``: started as
-    ``vllm serve`` rather than the api_server module; ``forcing``: with the logits
-    processor that forces outputs (``support.force``); ``tokenizer_mode``: the
+    ``env`` adds to (or overrides) the server's environment, ``None`` unsetting
+    a variable; ``cli``: started as ``vllm serve`` rather than the api_server
+    module; ``forcing``: with the logits processor that forces outputs (``support.force``); ``tokenizer_mode``: the
     ``--tokenizer-mode`` given (``None``: none, vLLM resolves ``auto``)."""
     port = free_port()
     command = serve_command(
@@ -233,14 +233,14 @@ def serving(
     log_path: Path,
     *,
     timeout_s: float,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
 ) -> Iterator[str]:
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**serve_env(), **(env or {})},
+            env=_without_unset({**serve_env(), **(env or {})}),
             # Not the repository root: ``python -m`` puts the working directory on
             # sys.path, where our ``triton_kernels/`` folder would shadow the
             # package of that name vLLM imports.
@@ -254,6 +254,11 @@ def serving(
             yield url
         finally:
             _stop(process)
+
+
+def _without_unset(env: dict[str, str | None]) -> dict[str, str]:
+    """``env`` less the variables a test unsets by giving them ``None``."""
+    return {name: value for name, value in env.items() if value is not None}
 
 
 def _wait_healthy(

@@ -74,6 +74,7 @@ from vllm_k3_plugin.model.kernel_choice import moe_backend
 from vllm_k3_plugin.model.logs import logger
 from vllm_k3_plugin.model.mla import GatedMlaAttention
 from vllm_k3_plugin.model.moe import LatentMoe, SituMlp
+from vllm_k3_plugin.model.one_class import announce, check_peers
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import (
     LANGUAGE_MODEL_PREFIX,
@@ -346,6 +347,7 @@ class KimiK3ForCausalLM(
         self.logits_processor = LogitsProcessor(config.vocab_size)
         if not prefix:
             _report_class(self, config)
+            announce(self, vllm_config)
         if current_platform.is_cpu() and get_pp_group().world_size > 1:
             cpu_pipeline.install()
         _note_quantization(vllm_config)
@@ -411,7 +413,9 @@ class KimiK3ForCausalLM(
             name for name in (*dense, *experts) if is_pp_missing_parameter(name, self)
         }
         kept = ((name, t) for name, t in weights if not name.startswith(drafter))
-        return load_k3_tensors(self, kept, dense, experts, elsewhere=elsewhere)
+        loaded = load_k3_tensors(self, kept, dense, experts, elsewhere=elsewhere)
+        check_peers(self)
+        return loaded
 
 
 def load_k3_tensors(
@@ -514,6 +518,7 @@ class KimiK3ForConditionalGeneration(
         )
         if not prefix:
             _report_class(self, self.language_model.config)
+            announce(self, vllm_config)
         self.make_empty_intermediate_tensors = (
             self.language_model.make_empty_intermediate_tensors
         )
@@ -577,6 +582,7 @@ class KimiK3ForConditionalGeneration(
                 yield name.removeprefix(LANGUAGE_MODEL_PREFIX), tensor
 
         loaded = self.language_model.load_weights(text_weights())
+        check_peers(self)
         if skipped:
             logger.info(
                 "Kimi-K3: skipped %d vision tower / projector tensor(s); this model "
