@@ -189,7 +189,8 @@ def running_server(
     ``env`` adds to (or overrides) the server's environment, ``None`` unsetting
     a variable; ``cli``: started as ``vllm serve`` rather than the api_server
     module; ``forcing``: with the logits processor that forces outputs
-    (``support.force``); ``tokenizer_mode``: the ``--tokenizer-mode`` given (``None``: none, vLLM resolves ``auto``)."""
+    (``support.force``); ``tokenizer_mode``: the ``--tokenizer-mode`` given
+    (``None``: none, vLLM resolves ``auto``)."""
     port = free_port()
     command = serve_command(
         model_dir,
