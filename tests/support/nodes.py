@@ -60,6 +60,9 @@ class TwoNodes:
     head: Node
     other: Node
 
+    def __iter__(self):
+        return iter((self.head, self.other))
+
 
 def tp_flags(size_flag: str, node_rank: int, master_port: int) -> tuple[str, ...]:
     """vLLM's multi-node launch of one model over two nodes (``--nnodes``): the

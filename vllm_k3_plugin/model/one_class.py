@@ -46,7 +46,8 @@ def announce(model: nn.Module, vllm_config: VllmConfig) -> None:
     """Write this rank's entry (the top-level class, once it is built)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    entry = f"{type(model).__qualname__} (vllm-k3-plugin {__version__})"
+    built = type(model)
+    entry = f"{built.__module__}.{built.__qualname__} (vllm-k3-plugin {__version__})"
     host = socket.gethostname()
     store = dist.distributed_c10d._get_default_store()
     store.set(KEY.format(rank=dist.get_rank()), f"{entry}\n{host}")
@@ -83,7 +84,8 @@ def check_peers(model: nn.Module, wait_s: float = PEER_WAIT_S) -> None:
             raise MixedModelClassesError(
                 f"Kimi-K3: rank {peer} of {world} ({node_of(peer, world, parallel)}, "
                 f"on {host}) built {theirs}, this rank ({rank}) {entry}: every node "
-                "must run the same vllm-k3-plugin"
+                "must build the same class (the same vllm-k3-plugin installed, "
+                f"{MODEL_CLASS_ENV} set alike)"
             )
 
 
