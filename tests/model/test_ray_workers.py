@@ -88,7 +88,7 @@ def test_the_plugin_registers_in_a_ray_worker_on_another_node(
     worker = (
         ray.remote(RayWorkerWrapper)
         .options(num_cpus=0, resources={SECOND_NODE: 1})
-        .remote(vllm_config=config, rpc_rank=0)
+        .remote(rpc_rank=0)
     )
     ray.get(worker.update_environment_variables.remote([env]))
     ray.get(
