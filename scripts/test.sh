@@ -69,6 +69,7 @@ VLLM_033_TESTS=(
     tests/serving/test_structured_output.py
     tests/serving/test_wire_spec.py
     tests/serving/test_scale_out.py
+    tests/serving/test_engine_death.py
     tests/serving/test_standin_engine.py
     tests/serving/test_examples.py
     tests/tools/test_capture.py

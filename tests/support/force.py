@@ -14,6 +14,8 @@ is defined, on whichever interface the installed vLLM has; the rule is one funct
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import torch
@@ -21,6 +23,16 @@ import torch
 from vllm_k3_plugin.format import vocab
 
 FORCE_KEY = "k3_force_ids"
+# Seconds each step waits (the server's environment; unset: none): a test that must
+# act while outputs are still being written paces the engine, whatever the host.
+STEP_DELAY_ENV = "K3_TEST_STEP_DELAY_S"
+_STEP_DELAY = float(os.environ.get(STEP_DELAY_ENV) or 0)
+
+
+def pace() -> None:
+    """One step's wait under ``STEP_DELAY_ENV``."""
+    if _STEP_DELAY:
+        time.sleep(_STEP_DELAY)
 
 
 def forced_ids(params: Any) -> list[int] | None:
@@ -73,6 +85,7 @@ except ImportError:  # vLLM 0.34: Model Runner V2's interface only
             return True
 
         def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+            pace()
             slots = ctx.expanded_idx_mapping.tolist()
             positions = ctx.pos.tolist()
             for row, (slot, position) in enumerate(zip(slots, positions)):
@@ -119,6 +132,7 @@ else:
                     self._forced[target] = moving
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            pace()
             for index, (ids, output_ids) in self._forced.items():
                 force_row(logits[index], forced_token(ids, len(output_ids)))
             return logits

@@ -37,7 +37,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from .cpu_without_triton import allow_cpu_without_triton
-from .force import forced_ids, forced_token
+from .force import forced_ids, forced_token, pace
 
 allow_cpu_without_triton()
 
@@ -160,6 +160,7 @@ class _ForcedTokenWorker:
         )
 
     def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
+        pace()
         output, self._pending = self._pending, None
         if output is None:
             raise RuntimeError("sample_tokens without execute_model")

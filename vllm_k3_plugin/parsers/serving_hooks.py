@@ -15,7 +15,8 @@ decides:
   ``json.loads`` of each call's arguments fails on a cut call: there a call whose
   arguments are not JSON keeps them as text, ``{RAW_ARGUMENTS_KEY: "<text>"}``.
 
-Responses needs nothing: it reports the engine's finish reason.
+Responses needs nothing: it reports the engine's finish reason. A Responses stream
+an error ends sends ``response.failed`` (``stream_faults``).
 
 All hooks are installed once, in the API server, when vLLM first composes a
 ``kimi_k3`` parser. The finish-reason hooks change nothing for a reply with no K3
@@ -31,7 +32,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
-from vllm_k3_plugin.parsers import metrics
+from vllm_k3_plugin.parsers import metrics, stream_faults
 from vllm_k3_plugin.wire import facts as engine_facts
 
 RAW_ARGUMENTS_KEY = "_raw_arguments"
@@ -75,6 +76,7 @@ def install() -> None:
     _hook_messages()
     _hook_engine_facts()
     _hook_endpoints()
+    _hook_responses_failed()
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -202,6 +204,21 @@ def _serving_as(endpoint: str, parsed: bool) -> Callable[[Any], Any]:
 
     make.__name__ = f"_serving_as_{endpoint}"
     return make
+
+
+# -- a Responses stream an error ends (every version) ---------------------------------
+
+
+def _hook_responses_failed() -> None:
+    try:
+        from vllm.entrypoints.openai.responses import serving
+    except ImportError:
+        return
+    _wrap(
+        serving.OpenAIServingResponses,
+        "responses_stream_generator",
+        stream_faults.ending_failed,
+    )
 
 
 # -- the wire spec's engine facts (both versions) -------------------------------------
