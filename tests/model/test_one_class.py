@@ -34,7 +34,7 @@ def _rank(rank: int, port: int, second: str, results) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank
     )
     parallel = types.SimpleNamespace(
-        nnodes=2, world_size=1, data_parallel_size_local=None
+        nnodes=2, world_size=1, data_parallel_size=1, data_parallel_size_local=None
     )
     config = types.SimpleNamespace(parallel_config=parallel)
 
@@ -73,8 +73,11 @@ def test_the_same_class_everywhere_serves():
 def test_a_rank_without_our_class_is_named():
     said = _run("no class of ours")
     assert said[0].startswith(
-        "Kimi-K3: rank 1 of 2 (node 1 of 2) did not build this plugin's model class "
-        f"({__name__}.KimiK3ForConditionalGeneration (vllm-k3-plugin "
+        "Kimi-K3: rank 1 of 2 (node 1 of 2) wrote no entry within 3 s of this rank"
+    ), said[0]
+    assert (
+        f"another class than this plugin's ({__name__}.KimiK3ForConditionalGeneration "
+        "(vllm-k3-plugin "
     ), said[0]
     # A rank that built no class of ours checks nothing.
     assert said[1] == "ok"
@@ -89,18 +92,51 @@ def test_another_class_is_named_on_both_sides():
 
 
 @pytest.mark.parametrize(
-    ("nnodes", "world_size", "local", "world", "rank", "node"),
+    ("flags", "world", "rank", "node"),
     [
-        (2, 2, None, 4, 3, "node 1 of 2"),  # TP=2 per node over --nnodes 2
-        (1, 1, 1, 2, 1, "node 1 of 2"),  # DP=2, one DP rank a node
-        (1, 2, 2, 4, 3, "this node"),  # DP=2 x TP=2 on one node
-        (1, 2, None, 2, 1, "this node"),  # TP=2, one node
+        ({"nnodes": 2, "world_size": 2}, 4, 3, "node 1 of 2"),  # TP=2, --nnodes 2
+        (  # DP=2, one DP rank a node
+            {"world_size": 1, "data_parallel_size": 2, "data_parallel_size_local": 1},
+            2,
+            1,
+            "node 1 of 2",
+        ),
+        (  # DP=2 x TP=2 on one node
+            {"world_size": 2, "data_parallel_size": 2, "data_parallel_size_local": 2},
+            4,
+            3,
+            "this node",
+        ),
+        ({"world_size": 2}, 2, 1, "this node"),  # TP=2, one node
+        (  # Ray places ranks on nodes itself
+            {"world_size": 2, "distributed_executor_backend": "ray"},
+            2,
+            1,
+            "its node not known",
+        ),
+        (  # an external load balancer: one DP rank an engine, wherever it runs
+            {
+                "world_size": 1,
+                "data_parallel_size": 2,
+                "data_parallel_size_local": 1,
+                "data_parallel_external_lb": True,
+            },
+            2,
+            1,
+            "its node not known",
+        ),
     ],
 )
-def test_the_node_of_a_rank(nnodes, world_size, local, world, rank, node):
+def test_the_node_of_a_rank(flags, world, rank, node):
     from vllm_k3_plugin.model.one_class import node_of
 
-    parallel = types.SimpleNamespace(
-        nnodes=nnodes, world_size=world_size, data_parallel_size_local=local
-    )
+    defaults = {
+        "nnodes": 1,
+        "data_parallel_size": 1,
+        "data_parallel_size_local": None,
+        "distributed_executor_backend": "mp",
+        "data_parallel_backend": "mp",
+        "data_parallel_external_lb": False,
+    }
+    parallel = types.SimpleNamespace(**{**defaults, **flags})
     assert node_of(rank, world, parallel) == node

@@ -1,4 +1,5 @@
-"""The plugin in a Ray worker on another node, as vLLM's Ray executor starts one.
+"""The plugin in a Ray worker on another node, as vLLM 0.32's older Ray executor
+(``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) starts one.
 
 vLLM's Ray executors refuse the CPU platform (``ray_device_key`` is empty: "current
 platform cpu does not support ray"), so no Ray server runs here. What a Ray launch

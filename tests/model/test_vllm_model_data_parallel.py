@@ -144,11 +144,13 @@ class _Runner:
 
 
 @pytest.mark.parametrize("writes", [False, True], ids=["untouched", "written"])
-def test_the_watch_names_a_dummy_step_that_writes(writes, caplog):
+def test_the_watch_names_a_dummy_step_that_writes(writes, caplog, monkeypatch):
     """The watch itself, on vLLM's worker step: a dummy run that writes one
     value into a cache is reported, one that writes none is counted."""
     from vllm.v1.worker.gpu_worker import Worker
 
+    # vLLM's own step again after the test.
+    monkeypatch.setattr(Worker, "execute_dummy_batch", Worker.execute_dummy_batch)
     dummy_step_watch.install()
     worker = types.SimpleNamespace(
         model_runner=_Runner(writes), randomize_dummy_inputs=False

@@ -172,7 +172,7 @@ def test_a_node_with_another_class_stops_the_server(
     head = (log_dir / "node0.log").read_text(errors="replace")
     assert "OtherK3Class" in (log_dir / "node1.log").read_text(errors="replace")
     assert re.search(
-        r"MixedModelClassesError: Kimi-K3: rank 1 of 2 \(node 1 of 2\) did not "
-        r"build this plugin's model class",
+        r"MixedModelClassesError: Kimi-K3: rank 1 of 2 \(node 1 of 2\) wrote no "
+        r"entry within 60 s",
         head,
     ), head[-3000:]

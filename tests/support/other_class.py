@@ -15,23 +15,33 @@ from __future__ import annotations
 
 import os
 
-import torch.distributed as dist
-
-from vllm_k3_plugin.model import one_class
-from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
-
 OTHER_CLASS_ENV = "K3_TEST_OTHER_CLASS"
 PLUGIN_NAME = "k3_test_other_class"
+OTHER_CLASS = "OtherK3Class"
 
 
-class OtherK3Class(KimiK3ForConditionalGeneration):
-    """Ours, less its entry in the world's store."""
+def __getattr__(name: str):
+    """``OtherK3Class``, built when vLLM resolves it (only where
+    ``OTHER_CLASS_ENV`` is set): the model module is not imported otherwise."""
+    if name != OTHER_CLASS:
+        raise AttributeError(name)
+    import torch.distributed as dist
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        store = dist.distributed_c10d._get_default_store()
-        store.delete_key(one_class.KEY.format(rank=dist.get_rank()))
-        delattr(self, one_class._ENTRY)
+    from vllm_k3_plugin.model import one_class
+    from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
+
+    class OtherK3Class(KimiK3ForConditionalGeneration):
+        """Ours, less its entry in the world's store."""
+
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            store = dist.distributed_c10d._get_default_store()
+            store.delete_key(one_class.KEY.format(rank=dist.get_rank()))
+            delattr(self, one_class._ENTRY)
+
+    OtherK3Class.__qualname__ = OTHER_CLASS
+    globals()[name] = OtherK3Class
+    return OtherK3Class
 
 
 def register() -> None:
@@ -46,7 +56,7 @@ def register() -> None:
     from vllm_k3_plugin.reference.checkpoint_format import K3_WRAPPER
 
     def register_other() -> None:
-        ModelRegistry.register_model(K3_WRAPPER[1], f"{__name__}:OtherK3Class")
+        ModelRegistry.register_model(K3_WRAPPER[1], f"{__name__}:{OTHER_CLASS}")
 
     plugin_classes = registration._register_model_classes
 

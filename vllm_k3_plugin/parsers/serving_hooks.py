@@ -219,6 +219,11 @@ def _hook_responses_failed() -> None:
         "responses_stream_generator",
         stream_faults.ending_failed,
     )
+    _wrap(
+        serving.OpenAIServingResponses,
+        "responses_background_stream_generator",
+        stream_faults.ending_background_stream,
+    )
 
 
 # -- the wire spec's engine facts (both versions) -------------------------------------

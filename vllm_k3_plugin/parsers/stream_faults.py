@@ -14,7 +14,13 @@ the Responses API ends a failed response: every open item is closed (its text or
 arguments so far in the ``.done`` events, the item ``incomplete``), then
 ``response.failed`` carries the response with ``status: failed`` and the error
 (``server_error``), numbered on from the last event. Nothing already sent is sent
-again. A client that disconnected (cancellation) is left alone.
+again. A client that disconnected (cancellation) is left alone. A stored response
+(``store``, background requests) is marked ``failed``, and the stream of a
+background response, which vLLM ends only after ``response.completed``, ends after
+``response.failed``.
+
+Only where vLLM composes a ``kimi_k3`` parser (``--reasoning-parser kimi_k3``): the
+hooks are installed then.
 
 Installed in the API server with the parser hooks (``serving_hooks.install``).
 """
@@ -43,16 +49,22 @@ _ARGUMENTS_DELTA = "response.function_call_arguments.delta"
 _ARGUMENTS_DONE = "response.function_call_arguments.done"
 
 
+_CLOSING_EVENT: Any = None
+
+
 def _event(**fields: Any) -> Any:
     """An event as vLLM's SSE writer reads one: ``type`` and
     ``model_dump_json(indent=..., by_alias=...)``."""
-    from pydantic import BaseModel, ConfigDict
+    global _CLOSING_EVENT
+    if _CLOSING_EVENT is None:
+        from pydantic import BaseModel, ConfigDict
 
-    class ClosingEvent(BaseModel):
-        model_config = ConfigDict(extra="allow")
-        type: str
+        class ClosingEvent(BaseModel):
+            model_config = ConfigDict(extra="allow")
+            type: str
 
-    return ClosingEvent(**fields)
+        _CLOSING_EVENT = ClosingEvent
+    return _CLOSING_EVENT(**fields)
 
 
 @dataclass
@@ -66,6 +78,8 @@ class _Part:
 class _Item:
     item: dict[str, Any]
     parts: dict[int, _Part] = field(default_factory=dict)
+    finished: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Content parts already closed, as their ``.done`` events gave them."""
     arguments: list[str] = field(default_factory=list)
 
 
@@ -99,6 +113,7 @@ class OpenItems:
             item = self.items.get(event.output_index)
             if item is not None:
                 item.parts.pop(event.content_index, None)
+                item.finished[event.content_index] = _dump(event.part)
         elif kind in _TEXT_EVENTS:
             item = self.items.get(event.output_index)
             part = item.parts.get(event.content_index) if item else None
@@ -127,6 +142,9 @@ class OpenItems:
         item = copy.deepcopy(open_item.item)
         item_id = item.get("id")
         events = []
+        content = list(item.get("content") or [])
+        for content_index, part in sorted(open_item.finished.items()):
+            content[content_index : content_index + 1] = [part]
         for content_index in sorted(open_item.parts):
             part = open_item.parts[content_index]
             text = "".join(part.text)
@@ -152,8 +170,8 @@ class OpenItems:
                     part=done,
                 )
             )
-            content = item.setdefault("content", []) or []
             content[content_index : content_index + 1] = [done]
+        if content:
             item["content"] = content
         if item.get("type") == "function_call":
             arguments = "".join(open_item.arguments)
@@ -163,6 +181,7 @@ class OpenItems:
                     type=_ARGUMENTS_DONE,
                     item_id=item_id,
                     output_index=index,
+                    name=item.get("name"),
                     arguments=arguments,
                 )
             )
@@ -196,16 +215,60 @@ def ending_failed(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     async def responses_stream_generator(self, *args: Any, **kwargs: Any):
         events: AsyncIterator[Any] = original(self, *args, **kwargs)
-        opened = OpenItems()
+        opened: OpenItems | None = OpenItems()
         try:
             async for event in events:
-                opened.saw(event)
+                if opened is not None:
+                    try:
+                        opened.saw(event)
+                    except Exception:  # an event this reading does not know
+                        logger.exception("Responses stream: events left unfollowed")
+                        opened = None
                 yield event
         except Exception as error:
-            if opened.response is None:
+            if opened is None or opened.response is None:
                 raise
             logger.error("Responses stream ended by an error: %r", error)
             for event in opened.closing(error):
                 yield event
+            await _mark_failed(self, opened.response.get("id"))
+        finally:
+            await events.aclose()
 
     return responses_stream_generator
+
+
+async def _mark_failed(serving: Any, response_id: str | None) -> None:
+    """A stored response (``store: true``, background requests) says it failed,
+    as vLLM marks a failed background request."""
+    store = getattr(serving, "response_store", None)
+    lock = getattr(serving, "response_store_lock", None)
+    if not store or lock is None or response_id is None:
+        return
+    async with lock:
+        stored = store.get(response_id)
+        if stored is not None and stored.status not in ("completed", "cancelled"):
+            stored.status = "failed"
+
+
+ENDING_TYPES = frozenset({"response.failed", "error"})
+
+
+def ending_background_stream(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``responses_background_stream_generator`` (a stored background response,
+    streamed) ending after ``response.failed``: vLLM's ends only after
+    ``response.completed`` (0.33 and 0.34: or ``incomplete``) and would wait for
+    more events forever."""
+
+    @functools.wraps(original)
+    async def responses_background_stream_generator(self, *args: Any, **kwargs):
+        events: AsyncIterator[Any] = original(self, *args, **kwargs)
+        try:
+            async for event in events:
+                yield event
+                if getattr(event, "type", None) in ENDING_TYPES:
+                    return
+        finally:
+            await events.aclose()
+
+    return responses_background_stream_generator
