@@ -17,10 +17,10 @@ from openai import OpenAI
 
 from tests.support.model_checks import (
     assert_logprobs_close,
+    assert_reference,
     greedy,
     greedy_concurrently,
     prompts,
-    reference_logprobs,
 )
 from tests.support.server import TINY_K3_ARGS, running_server
 
@@ -86,13 +86,7 @@ def test_by_default_each_kernel_says_it_runs_its_pytorch_path(alone, model_serve
 
 
 def test_logprobs_equal_the_reference_model(alone, k3_reference_model):
-    for ids, got in zip(prompts(), alone, strict=True):
-        want = reference_logprobs(k3_reference_model, ids, got.tokens)
-        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
-        assert_logprobs_close(
-            got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}"
-        )
-        assert_logprobs_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
+    assert_reference(prompts(), alone, k3_reference_model)
 
 
 def test_greedy_is_repeatable_alone(model_server, alone):

@@ -31,10 +31,9 @@ import torch
 from tests.support import dummy_step_watch
 from tests.support.cpu_collectives import server_env
 from tests.support.model_checks import (
-    assert_logprobs_close,
+    assert_reference,
     greedy,
     prompts,
-    reference_logprobs,
 )
 from tests.support.nodes import registered_processes
 from tests.support.server import TINY_K3_ARGS, running_server
@@ -96,13 +95,7 @@ def test_the_reference_tokens_and_logprobs(dp_server, k3_reference_model, concur
             served = list(pool.map(lambda ids: greedy(url, ids), batch))
     else:
         served = [greedy(url, ids) for ids in batch]
-    for ids, got in zip(batch, served, strict=True):
-        want = reference_logprobs(k3_reference_model, ids, got.tokens)
-        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
-        assert_logprobs_close(
-            got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}"
-        )
-        assert_logprobs_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
+    assert_reference(batch, served, k3_reference_model)
 
 
 def checked_ranks(text: str) -> set[str]:

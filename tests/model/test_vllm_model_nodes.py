@@ -30,11 +30,10 @@ import httpx
 import pytest
 
 from tests.support.model_checks import (
-    assert_logprobs_close,
+    assert_reference,
     greedy,
     greedy_concurrently,
     prompts,
-    reference_logprobs,
 )
 from tests.support.nodes import kill_node, registered_processes, two_nodes, wait_exit
 from tests.support.other_class import OTHER_CLASS_ENV
@@ -83,13 +82,7 @@ def test_the_reference_tokens_and_logprobs(nodes, k3_reference_model):
     # One request alone (one rank idle), then all eight at once.
     batch = prompts()
     served = [greedy(nodes.url, batch[-1]), *greedy_concurrently(nodes.url, batch)]
-    for ids, got in zip([batch[-1], *batch], served, strict=True):
-        want = reference_logprobs(k3_reference_model, ids, got.tokens)
-        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
-        assert_logprobs_close(
-            got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}"
-        )
-        assert_logprobs_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
+    assert_reference([batch[-1], *batch], served, k3_reference_model)
 
 
 OPEN_STREAMS = 4

@@ -20,11 +20,10 @@ import re
 import pytest
 
 from tests.support.model_checks import (
-    assert_logprobs_close,
+    assert_reference,
     greedy,
     greedy_concurrently,
     prompts,
-    reference_logprobs,
 )
 from tests.support.server import TINY_K3_ARGS, running_server
 
@@ -99,10 +98,4 @@ def test_the_reference_tokens_and_logprobs(split_server, k3_reference_model, bat
     served = (
         greedy_concurrently(url, batch) if batched else map(greedy, [url] * 3, batch)
     )
-    for ids, got in zip(batch, served, strict=True):
-        want = reference_logprobs(k3_reference_model, ids, got.tokens)
-        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
-        assert_logprobs_close(
-            got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}"
-        )
-        assert_logprobs_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
+    assert_reference(batch, served, k3_reference_model)

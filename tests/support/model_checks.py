@@ -143,6 +143,18 @@ def assert_logprobs_close(got: list[float], want: list[float], what: str) -> Non
     )
 
 
+def assert_reference(batch, served: list[Greedy], model) -> None:
+    """Each served greedy completion is the reference model's: the same tokens, the
+    same prompt and decode logprobs (``LOGPROB_TOLERANCE``)."""
+    for ids, got in zip(batch, served, strict=True):
+        want = reference_logprobs(model, ids, got.tokens)
+        assert got.tokens == want.tokens, f"prompt of {len(ids)} tokens"
+        assert_logprobs_close(
+            got.prompt_logprobs, want.prompt_logprobs, f"prefill {len(ids)}"
+        )
+        assert_logprobs_close(got.logprobs, want.logprobs, f"decode after {len(ids)}")
+
+
 # Sparse attention (K3.1): the server sums the fp32 index scores in another order
 # than the reference, which moves them by rounding. Where a query's top-k is closer
 # than this to another selection, the server may take either, and that position's
