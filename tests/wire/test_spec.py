@@ -16,14 +16,9 @@ from vllm_k3_plugin.wire import MoonshotWireSpec
 from vllm_k3_plugin.wire import facts as engine_facts
 from vllm_k3_plugin.wire.facts import EngineFacts
 from vllm_k3_plugin.wire.middleware import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
-from vllm_k3_plugin.wire.spec import (
-    BOUNDARY,
-    INTERRUPTED,
-    Asked,
-    StreamRewrite,
-    rewrite_body,
-    rewrite_request,
-)
+from vllm_k3_plugin.wire.request import Asked, rewrite_request
+from vllm_k3_plugin.wire.spec import BOUNDARY, INTERRUPTED, rewrite_body
+from vllm_k3_plugin.wire.stream import StreamRewrite
 
 ENVELOPE = {
     "id": "chatcmpl-1",
@@ -570,7 +565,7 @@ def test_tool_calls_that_are_not_a_list_go_on_as_they_came():
 
 
 def test_messages_that_are_not_a_list_count_no_calls():
-    from vllm_k3_plugin.wire.spec import history_calls
+    from vllm_k3_plugin.wire.request import history_calls
 
     assert history_calls({"messages": 5}) == 0
     assert history_calls({"messages": [{"role": "assistant",

@@ -17,13 +17,9 @@ from dataclasses import replace
 from typing import Any
 
 from vllm_k3_plugin.wire import facts as engine_facts
-from vllm_k3_plugin.wire.spec import (
-    CHAT_COMPLETIONS_PATH,
-    Asked,
-    StreamRewrite,
-    rewrite_body,
-    rewrite_request,
-)
+from vllm_k3_plugin.wire.request import CHAT_COMPLETIONS_PATH, Asked, rewrite_request
+from vllm_k3_plugin.wire.spec import rewrite_body
+from vllm_k3_plugin.wire.stream import StreamRewrite
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]

@@ -1,6 +1,8 @@
 """Moonshot's streaming wire spec for chat completions, as a rewrite of vLLM's
-exchange (sans-I/O, standard library only): the request JSON before vLLM reads it,
-each streamed chunk (a parsed ``data:`` payload) and the non-streamed body after.
+exchange (sans-I/O, standard library only): the request JSON before vLLM reads it
+(``request.py``), each streamed chunk (a parsed ``data:`` payload: ``ChunkRewrite``)
+and the non-streamed body after (``rewrite_body``). ``stream.py`` reads the chunks
+vLLM sends most as bytes, with the result this module gives them.
 
 What the rewrite gives (``docs/moonshot_stream_spec.md`` lists the spec's items):
 
@@ -33,14 +35,13 @@ from __future__ import annotations
 
 import copy
 import re
-import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_k3_plugin.wire.facts import EngineFacts
+from vllm_k3_plugin.wire.request import Asked, object_id
 
-CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 # The order a split delta's parts go out in.
 _KINDS = ("reasoning", "content", "tool_calls")
 # The keys whose non-empty value shows the client something (P0.5).
@@ -51,58 +52,6 @@ BOUNDARY = {"reasoning_content": ""}
 """The delta that marks where thinking ends."""
 # vLLM's and the plugin's tool-call id for K3 models: ``functions.NAME:N``.
 _K3_CALL_ID = re.compile(r"^functions\.(.+):(\d+)$")
-# A chunk as vLLM serialises most of them: compact JSON, scalar envelope fields, one
-# choice whose delta is one non-empty reasoning or content string, and otherwise only
-# nulls (none under a key the reading depends on). Such a chunk is rewritten without
-# parsing it (``StreamRewrite.raw``); any other chunk, or one written another way,
-# takes the parsed path. Written as strict JSON: what json.loads refuses fails here.
-_CHAR = rb'(?:[^"\\\x00-\x1f]++|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
-_STRING = rb'"' + _CHAR + rb'*+"'
-_NONEMPTY_STRING = rb'"' + _CHAR + rb'++"'
-_NUMBER = rb"(?:0|-?[1-9][0-9]*+|-0)"
-# A piece's text that can be read as the bytes around it say (``StreamRewrite.framed``),
-# and its closing quote: no quote or backslash (escapes go the regex's way), nothing
-# JSON refuses unescaped.
-_PLAIN_TEXT = re.compile(rb'[^"\\\x00-\x1f]++"')
-# A server-sent event as vLLM writes one a message (P0.6).
-SSE_DATA = b"data: "
-SSE_END = b"\n\n"
-_ONE_PIECE = re.compile(
-    rb'\{(?:(?!"choices")"[a-z_]++":(?:' + _STRING + rb"|" + _NUMBER + rb"|null),)*+"
-    rb'"choices":\[\{"index":(0|[1-9][0-9]*+),'
-    rb'"delta":\{"(reasoning|content)":(' + _NONEMPTY_STRING + rb")\}"
-    rb'(?:,(?!"(?:index|delta)")"[a-z_]++":null)*+\}\]'
-    rb'(?:,(?!"choices")"[a-z_]++":null)*+\}'
-)
-_COUNT = rb"(0|[1-9][0-9]*+)"
-# vLLM's continuous usage (``UsageInfo`` dumped as its stream generator sets it).
-_USAGE = re.compile(
-    rb'\{"prompt_tokens":' + _COUNT + rb',"total_tokens":' + _COUNT
-    + rb',"completion_tokens":' + _COUNT
-    + rb'(?:,"completion_tokens_details":(null|\{"reasoning_tokens":' + _COUNT
-    + rb"\}))?\}"
-)  # fmt: skip
-# A one-choice chunk with continuous usage, exactly as vLLM writes it: the choice
-# ends in its nulls (``token_ids`` on 0.32), the usage follows, then only nulls
-# (``kv_transfer_params`` on 0.33). Groups: what precedes the text (its kind in 2),
-# the text, what follows it up to the usage, the usage (``_USAGE``), and ``after``.
-_ONE_PIECE_WITH_USAGE = re.compile(
-    rb'(\{(?:(?!"(?:choices|prompt_token_ids)")"[a-z_]++":(?:' + _STRING + rb"|"
-    + _NUMBER + rb'|null),)*+"choices":\[\{"index":0,"delta":\{"(reasoning|content)'
-    rb'":")(' + _CHAR + rb'++)'
-    rb'("\},"logprobs":null,"finish_reason":null(?:,"token_ids":null)?\}\],"usage":)'
-    rb"(" + _USAGE.pattern + rb")"
-    rb'(?P<after>(?:,(?!"(?:choices|usage|prompt_token_ids)")"[a-z_]++":null)*+)\}'
-)  # fmt: skip
-# What the parsed path writes after such a chunk's text: the choice without its
-# token ids (the client did not ask for them).
-_USAGE_MIDDLE = b'"},"logprobs":null,"finish_reason":null}],"usage":'
-
-
-def object_id() -> str:
-    """24 hex digits, as a MongoDB ObjectId: 4 bytes of seconds, 8 random bytes (the
-    spec's response ids, P2.1)."""
-    return f"{int(time.time()) & 0xFFFFFFFF:08x}{secrets.token_hex(8)}"
 
 
 def spec_call_id(call_id: Any, name: Any, number: int) -> Any:
@@ -114,117 +63,6 @@ def spec_call_id(call_id: Any, name: Any, number: int) -> Any:
     if found is not None and found.group(1) == name:
         return f"{name}_{found.group(2)}"
     return f"{name}_{number}"
-
-
-def history_calls(body: dict[str, Any]) -> int:
-    """Tool calls the request's past assistant turns made."""
-    count = 0
-    messages = body.get("messages")
-    for message in messages if isinstance(messages, list) else ():
-        if isinstance(message, dict) and message.get("role") == "assistant":
-            calls = message.get("tool_calls")
-            count += len(calls) if isinstance(calls, list) else 0
-    return count
-
-
-@dataclass(frozen=True)
-class Asked:
-    """What the client's request asked of a streamed response."""
-
-    usage: bool = False
-    """``stream_options.include_usage``: the summary frame."""
-    continuous_usage: bool = False
-    """``continuous_usage_stats`` (with ``include_usage``): usage on every frame."""
-    internal_content: bool = False
-    """``include_internal_content``: each piece's token ids in its delta (P0.5)."""
-    token_ids: bool = False
-    """``return_token_ids``: vLLM's own token id fields."""
-    choices: int = 1
-    """``n``."""
-    history: int = 0
-    """Tool calls the request's past turns made: the spec numbers ids from there."""
-    model: Any = None
-    response_id: str | None = None
-    """What vLLM names the response (``chatcmpl-`` and the request id)."""
-
-    @property
-    def per_choice_usage(self) -> bool:
-        """vLLM gives usage per choice only on continuous frames: asked for them
-        when the client did, or when several choices each need their own."""
-        return self.continuous_usage or self.choices > 1
-
-
-def rewrite_request(body: dict[str, Any]) -> tuple[dict[str, Any], Asked]:
-    """The request vLLM gets, and what the client asked of the response (a streamed
-    request always asks vLLM for the usage summary: the end frame needs it)."""
-    if "request_id" not in body:
-        # vLLM's response id is ``chatcmpl-`` and this (an X-Request-Id header wins).
-        body = {**body, "request_id": object_id()}
-    n = _lax_int(body.get("n"))
-    asked = Asked(
-        token_ids=_lax_bool(body.get("return_token_ids")),
-        choices=n if n is not None and n > 1 else 1,
-        history=history_calls(body),
-        model=body.get("model"),
-        response_id=f"chatcmpl-{body['request_id']}",
-    )
-    if not _lax_bool(body.get("stream")):
-        return body, asked
-    options = body.get("stream_options")
-    if options is None:
-        options = {}
-    if not isinstance(options, dict):
-        return body, asked  # vLLM refuses it, as it would without the switch
-    include_usage = _lax_bool(options.get("include_usage"))
-    asked = replace(
-        asked,
-        usage=include_usage,
-        # vLLM reads continuous usage only together with the summary: a client
-        # that asked for the one without the other gets neither, as before.
-        continuous_usage=include_usage
-        and _lax_bool(options.get("continuous_usage_stats")),
-        internal_content=_lax_bool(options.get("include_internal_content")),
-    )
-    options = {
-        **options,
-        "include_usage": True,
-        "continuous_usage_stats": asked.per_choice_usage,
-    }
-    body = {**body, "stream_options": options}
-    if asked.internal_content:
-        body["return_token_ids"] = True
-    return body, asked
-
-
-_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-
-
-def _lax_bool(value: Any) -> bool:
-    """A request flag as vLLM's pydantic models read it (lax: ``1``, ``"true"``,
-    ``"yes"``, …); what they would refuse reads as false (vLLM answers 400)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)):
-        return value == 1
-    return isinstance(value, str) and value.strip().lower() in _TRUE
-
-
-def _lax_int(value: Any) -> int | None:
-    """A request count as vLLM's pydantic models read it (``2``, ``2.0``, ``"2"``);
-    ``None`` where they would refuse it (vLLM answers 400)."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            return None
-        return int(number) if number.is_integer() else None
-    return None
 
 
 def rewrite_body(body: dict[str, Any], history: int = 0) -> dict[str, Any]:
@@ -250,7 +88,9 @@ extended reasons; vLLM's error frame is not sent)."""
 
 
 @dataclass
-class _Choice:
+class ChoiceState:
+    """What the rewrite keeps of one choice of the stream."""
+
     reasoning_sent: bool = False
     boundary_sent: bool = False
     ended: bool = False
@@ -274,177 +114,22 @@ class _Choice:
 
 
 @dataclass
-class StreamRewrite:
-    """One streamed response. ``chunk`` takes each parsed ``data:`` payload and
-    returns the payloads to send in its place; ``done`` is called at ``[DONE]``
-    (or the stream's end) and returns what is still held."""
+class ChunkRewrite:
+    """One streamed response, chunk by chunk. ``chunk`` takes each parsed ``data:``
+    payload and returns the payloads to send in its place; ``done`` is called at
+    ``[DONE]`` (or the stream's end) and returns what is still held. The switch
+    uses it as ``stream.StreamRewrite``, which reads most chunks as bytes first."""
 
     asked: Asked = field(default_factory=Asked)
     facts: EngineFacts = field(default_factory=EngineFacts)
     """Filled by the serving hook before the first frame (``facts.py``)."""
-    _choices: dict[int, _Choice] = field(default_factory=dict)
+    _choices: dict[int, ChoiceState] = field(default_factory=dict)
     _envelope: dict[str, Any] | None = None
-    # The bytes around the text of a one-choice stream's one-piece events, as the
-    # first of each kind that ``raw`` read showed them (``framed``): the tail when
-    # the events carry no usage, else what leads from the text to the usage.
-    _reasoning_head: bytes | None = None
-    _content_head: bytes | None = None
-    _tail: bytes | None = None
-    _usage_middle: bytes | None = None
-    _usage_end: bytes | None = None
 
     @property
     def _plain(self) -> bool:
         """Frames carry no usage or token ids the rewrite has to move."""
         return not (self.asked.per_choice_usage or self.asked.internal_content)
-
-    @property
-    def _usage_bytes_path(self) -> bool:
-        """One choice whose frames carry the continuous usage the client asked for
-        and no token ids: ``raw`` reads them too."""
-        asked = self.asked
-        return (
-            asked.continuous_usage
-            and asked.choices == 1
-            and not (asked.internal_content or asked.token_ids)
-        )
-
-    def raw(self, data: bytes) -> bytes | None:
-        """``chunk`` on a ``data:`` payload still unparsed, for the chunks vLLM sends
-        most (one reasoning or content piece; see ``_ONE_PIECE``, and
-        ``_ONE_PIECE_WITH_USAGE`` for continuous usage): the bytes to send, or
-        ``None``: parse it and call ``chunk``. Same result as ``chunk`` would give,
-        without reading or writing the JSON."""
-        if self._envelope is None:
-            return None
-        if self._usage_bytes_path:
-            return self._raw_with_usage(data)
-        if not self._plain:
-            return None
-        found = _ONE_PIECE.fullmatch(data)
-        if found is None or not (data.isascii() or _utf8(data)):
-            return None
-        index = int(found.group(1))
-        state = self._choices.get(index) or self._choices.setdefault(index, _Choice())
-        if index == 0 and self.asked.choices == 1:
-            self._learn(data, found)
-        if found.group(2) == b"reasoning":
-            state.reasoning_sent = True
-            end = found.end(3)
-            return data[:end] + b',"reasoning_content":' + found.group(3) + data[end:]
-        return None if state.boundary_due else data
-
-    def _learn(self, data: bytes, found: re.Match[bytes]) -> None:
-        text_start, text_end = found.start(3) + 1, found.end(3) - 1
-        head = SSE_DATA + data[:text_start]
-        if found.group(2) == b"reasoning":
-            self._reasoning_head = head
-        else:
-            self._content_head = head
-        if self._tail is None:
-            self._tail = data[text_end:] + SSE_END
-
-    def _raw_with_usage(self, data: bytes) -> bytes | None:
-        found = _ONE_PIECE_WITH_USAGE.fullmatch(data)
-        if found is None or not (data.isascii() or _utf8(data)):
-            return None
-        state = self._choices.get(0) or self._choices.setdefault(0, _Choice())
-        reasoning = found.group(2) == b"reasoning"
-        head = SSE_DATA + found.group(1)
-        if reasoning:
-            self._reasoning_head = head
-        else:
-            self._content_head = head
-        self._usage_middle = found.group(4)
-        self._usage_end = found["after"] + b"}" + SSE_END
-        if not reasoning and state.boundary_due:
-            return None
-        usage = _USAGE.fullmatch(data, found.start(5), found.end(5))
-        return self._with_usage(
-            state, reasoning, found.group(1), found.group(3), usage, data
-        )[len(SSE_DATA) : -len(SSE_END)]
-
-    def _with_usage(
-        self,
-        state: _Choice,
-        reasoning: bool,
-        head: bytes,
-        text: bytes,
-        usage: re.Match[bytes],
-        data: bytes,
-    ) -> bytes:
-        """The event of a one-piece chunk with continuous usage, as the parsed path
-        writes it; ``head`` without the event's ``data: ``."""
-        prompt, total, completion, details, reasoning_tokens = usage.groups()
-        state.usage = {
-            "prompt_tokens": int(prompt),
-            "total_tokens": int(total),
-            "completion_tokens": int(completion),
-        }
-        if details is not None:
-            state.usage["completion_tokens_details"] = (
-                None
-                if reasoning_tokens is None
-                else {"reasoning_tokens": int(reasoning_tokens)}
-            )
-        usage_bytes = data[usage.start() : usage.end()]
-        if self.facts.known:
-            cached = b',"prompt_tokens_details":{"cached_tokens":%d}}' % (
-                self.facts.cached_tokens
-            )
-            usage_bytes = usage_bytes[:-1] + cached
-        if reasoning:
-            state.reasoning_sent = True
-            text += b'","reasoning_content":"' + text
-        end = self._usage_end
-        return SSE_DATA + head + text + _USAGE_MIDDLE + usage_bytes + end
-
-    def framed(self, event: bytes) -> bytes | None:
-        """``raw`` on a whole event (``data: `` and its payload and the blank line),
-        for the events of a one-choice stream that differ from one ``raw`` has read
-        only in their text (and usage counts), and whose text holds no quote,
-        backslash or control character: the bytes to send (``event`` itself if
-        unchanged), or ``None``: call ``raw``. Compares bytes and reads nothing
-        else, so most of a stream's events cost the switch a few comparisons."""
-        head = self._content_head
-        only = self._choices.get(0)
-        if head is not None and event.startswith(head):
-            if only.reasoning_sent and not only.boundary_sent:
-                return None  # the boundary goes before it
-            reasoning = False
-        else:
-            head = self._reasoning_head
-            if head is None or not event.startswith(head):
-                return None
-            reasoning = True
-        start = len(head)
-        text_and_quote = _PLAIN_TEXT.match(event, start)
-        if text_and_quote is None:
-            return None
-        end = text_and_quote.end() - 1
-        if not (event.isascii() or _utf8(event[start:end])):
-            return None
-        middle = self._usage_middle
-        if middle is not None:
-            usage_end = len(event) - len(self._usage_end)
-            usage = _USAGE.fullmatch(event, end + len(middle), usage_end)
-            if (
-                usage is None
-                or not event.startswith(middle, end)
-                or not event.endswith(self._usage_end)
-            ):
-                return None
-            text = event[start:end]
-            head = event[len(SSE_DATA) : start]
-            return self._with_usage(only, reasoning, head, text, usage, event)
-        tail = self._tail
-        if tail is None or len(event) - end != len(tail) or not event.endswith(tail):
-            return None
-        if not reasoning:
-            return event
-        only.reasoning_sent = True
-        text = event[start:end]
-        return event[:end] + b'","reasoning_content":"' + text + event[end:]
 
     def chunk(self, payload: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The payloads to send for ``payload``, or ``None``: send it as it came."""
@@ -475,7 +160,7 @@ class StreamRewrite:
             return None
         if choice.get("finish_reason") is not None:
             return None
-        state = self._choices.setdefault(choice.get("index", 0), _Choice())
+        state = self._choices.setdefault(choice.get("index", 0), ChoiceState())
         ((kind, value),) = delta.items()
         if kind == "reasoning" and isinstance(value, str) and value:
             state.reasoning_sent = True
@@ -497,7 +182,7 @@ class StreamRewrite:
 
     def _choice(self, payload, choice, usage) -> list[dict[str, Any]]:
         index = choice.get("index", 0)
-        state = self._choices.setdefault(index, _Choice())
+        state = self._choices.setdefault(index, ChoiceState())
         if isinstance(usage, dict):
             state.usage = usage
         envelope = self._envelope_of(payload, usage)
@@ -587,7 +272,7 @@ class StreamRewrite:
             out.append(payload)
         return out
 
-    def _choice_usage(self, state: _Choice, summary: dict[str, Any]) -> dict:
+    def _choice_usage(self, state: ChoiceState, summary: dict[str, Any]) -> dict:
         """The end frame's usage: the choice's own counts where vLLM gave them (its
         last continuous usage) with the summary's prompt details; else the
         summary's (one choice, no continuous usage)."""
@@ -616,7 +301,7 @@ class StreamRewrite:
         for index in sorted(set(range(self.asked.choices)) | set(self._choices)):
             state = self._choices.get(index)
             if state is None:
-                state = self._choices[index] = _Choice()
+                state = self._choices[index] = ChoiceState()
                 deltas = [{"role": "assistant", "content": ""}]
             elif state.ended:
                 continue
@@ -654,14 +339,6 @@ def _parts(delta: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             parts.append(others)
     return parts
-
-
-def _utf8(data: bytes) -> bool:
-    try:
-        data.decode()
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _shares(ids: list[Any], pieces: int) -> list[list[Any]]:
