@@ -2,11 +2,15 @@
 
 Counted in the API server, once per output, when the combined parser finishes
 reading it (``K3Parser``), labelled by the endpoint that served it and whether it
-streamed; the per-token path pays nothing but a few attribute updates on events it
-already handles (a call opened, cut or dropped). The metrics are made on first use
-with ``prometheus_client``'s default registry: vLLM serves that registry, and in its
-multiprocess mode (several API servers) each process writes its values where vLLM's
-``/metrics`` collects them. ``VLLM_K3_METRICS=0`` counts nothing.
+streamed. A streamed output whose stream closes before its end was read (its client
+left, or an error ended the stream) is counted ``aborted`` when the stream closes
+(``StreamTally``), so each output that began is counted once, whatever the order in
+which its end and its client's leaving reach the server. The per-token path pays
+nothing but a few attribute updates on events it already handles (a call opened,
+cut or dropped). The metrics are made on first use with ``prometheus_client``'s
+default registry: vLLM serves that registry, and in its multiprocess mode (several
+API servers) each process writes its values where vLLM's ``/metrics`` collects
+them. ``VLLM_K3_METRICS=0`` counts nothing.
 
 ``README.md`` says what each metric means.
 """
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, NamedTuple
 
 from vllm_k3_plugin.envs import metrics as metrics_enabled
@@ -28,12 +32,37 @@ ENDINGS = (
     "cut",
     "tool_calls",
     "empty",
+    "aborted",
 )
 # Characters read before the think channel was decided.
 _DECIDED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, float("inf"))
 
 _SERVING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
     "vllm_k3_plugin_serving", default=None
+)
+
+
+class StreamTally:
+    """A streamed request's outputs: how many began (their first delta read) and
+    how many ended (their last). Set in the task that iterates the stream, where the
+    parser reads each delta; at the stream's close, the outputs that began and did
+    not end are counted ``aborted``."""
+
+    __slots__ = ("began", "ended", "labels")
+
+    def __init__(self, labels: tuple[str, str]) -> None:
+        self.labels = labels
+        self.began = 0
+        self.ended = 0
+
+    def close(self) -> None:
+        unfinished, self.began = self.began - self.ended, self.ended
+        if unfinished > 0 and metrics_enabled():
+            _metrics().outputs.labels(*self.labels, "aborted").inc(unfinished)
+
+
+_TALLY: contextvars.ContextVar[StreamTally | None] = contextvars.ContextVar(
+    "vllm_k3_plugin_stream_tally", default=None
 )
 
 
@@ -46,19 +75,45 @@ _LABELS: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict
 _MAX_LABELS = 16384
 
 
-def serving(endpoint: str, stream: Any, request: Any = None) -> None:
+def serving(endpoint: str, stream: Any, request: Any = None) -> StreamTally | None:
     """The request being served: ``endpoint`` as the metrics name it, the first
     that says so (``/v1/messages`` runs through chat completions); ``request``: the
-    object the parser will be handed, if this is it."""
+    object the parser will be handed, if this is it. The first to say so of a
+    streamed request gets the tally its stream keeps (``tallied``)."""
     labels = _SERVING.get()
+    tally = None
     if labels is None:
         labels = (endpoint, "true" if stream else "false")
         _SERVING.set(labels)
+        if stream:
+            tally = StreamTally(labels)
     if request is not None:
         _LABELS[id(request)] = labels
         _LABELS.move_to_end(id(request))
         while len(_LABELS) > _MAX_LABELS:
             _LABELS.popitem(last=False)
+    return tally
+
+
+async def tallied(stream: AsyncIterator[Any], tally: StreamTally) -> AsyncIterator[Any]:
+    """``stream``, its outputs tallied while it is read; closed however it ends
+    (read to its end, an error, or closed or cancelled when its client left)."""
+    _TALLY.set(tally)
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        tally.close()
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def output_began() -> None:
+    """Called by ``K3Parser`` on an output's first delta."""
+    tally = _TALLY.get()
+    if tally is not None:
+        tally.began += 1
 
 
 def _labels_of(request: Any) -> tuple[str, str]:
@@ -181,6 +236,9 @@ def count_output(
     decided_after: int | None,
 ) -> None:
     """Count one finished output."""
+    tally = _TALLY.get()
+    if tally is not None:
+        tally.ended += 1
     if not metrics_enabled():
         return
     labels = _labels_of(request)

@@ -41,7 +41,12 @@ from vllm_k3_plugin.format.reasoning import (
     split_events,
 )
 from vllm_k3_plugin.parsers.deltas import delta_message
-from vllm_k3_plugin.parsers.metrics import OutputCounts, count_output, ending
+from vllm_k3_plugin.parsers.metrics import (
+    OutputCounts,
+    count_output,
+    ending,
+    output_began,
+)
 from vllm_k3_plugin.parsers.reasoning_parser import K3ReasoningParser
 from vllm_k3_plugin.parsers.request_state import (
     model_stopped,
@@ -309,6 +314,7 @@ class K3Parser(DelegatingParser):
                 self._prompt_ids = prompt_token_ids
             reader = self._reader(request, prompt_ids, None)
             stream = self._stream = _Stream(reader, len(prompt_ids or ()))
+            output_began()
 
         events = (
             stream.reader.feed(delta_text, delta_token_ids)

@@ -197,8 +197,13 @@ def _serving_as(endpoint: str, parsed: bool) -> Callable[[Any], Any]:
         @functools.wraps(original)
         async def create(self, request, *args, **kwargs):
             stream = getattr(request, "stream", False)
-            metrics.serving(endpoint, stream, request if parsed else None)
-            return await original(self, request, *args, **kwargs)
+            tally = metrics.serving(endpoint, stream, request if parsed else None)
+            reply = await original(self, request, *args, **kwargs)
+            # A background Responses stream replays what another task reads.
+            background = getattr(request, "background", False)
+            if tally is not None and inspect.isasyncgen(reply) and not background:
+                return metrics.tallied(reply, tally)
+            return reply
 
         return create
 
