@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from bench_tools import big_argument, many_calls
 
 from vllm_k3_plugin.format import marked, vocab
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.output import OutputReader
-from vllm_k3_plugin.format.reasoning import Channel
 from vllm_k3_plugin.format.xtml import MAX_TAG_CHARS, render_tools
 from vllm_k3_plugin.tools.shapes import SHAPES, output_ids
 from vllm_k3_plugin.tools.tokenizer import load_tiktoken_encoding

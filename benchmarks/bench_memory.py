@@ -24,7 +24,9 @@ import sys
 import tracemalloc
 
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.format.reasoning import Channel, ReasoningReader, ReplayPolicy
+from vllm_k3_plugin.format.channels import Channel
+from vllm_k3_plugin.format.reasoning import ReasoningReader
+from vllm_k3_plugin.format.skipped_channel import ReplayPolicy
 
 WORDS = [
     "the",

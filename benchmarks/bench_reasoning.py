@@ -28,7 +28,8 @@ from functools import partial
 from typing import Any
 
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.format.reasoning import Channel, ReasoningReader, read_whole
+from vllm_k3_plugin.format.channels import Channel
+from vllm_k3_plugin.format.reasoning import ReasoningReader, read_whole
 from vllm_k3_plugin.tools import compare
 
 THOUGHT_WORDS = (

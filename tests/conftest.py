@@ -20,12 +20,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from hypothesis import HealthCheck, settings
 
-from vllm_k3_plugin.format.reasoning import (
-    Reading,
-    ReasoningReader,
-    ReplayPolicy,
-    collect,
-)
+from vllm_k3_plugin.format.reasoning import Reading, ReasoningReader, collect
+from vllm_k3_plugin.format.skipped_channel import ReplayPolicy
 
 # K3_HYPOTHESIS_EXAMPLES=N runs the property tests with N examples (300 in CI), all
 # but those that set their own count.

@@ -7,7 +7,9 @@ import tracemalloc
 import pytest
 
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.format.reasoning import Channel, ReasoningReader, ReplayPolicy
+from vllm_k3_plugin.format.channels import Channel
+from vllm_k3_plugin.format.reasoning import ReasoningReader
+from vllm_k3_plugin.format.skipped_channel import ReplayPolicy
 
 TOKENS = 50_000
 DELTAS = [f" w{i % 97}" for i in range(TOKENS)]

@@ -17,13 +17,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import read_streamed
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.format.reasoning import (
-    Channel,
-    ReasoningReader,
-    ReplayPolicy,
-    collect,
-    read_whole,
-)
+from vllm_k3_plugin.format.channels import Channel
+from vllm_k3_plugin.format.reasoning import ReasoningReader, collect, read_whole
+from vllm_k3_plugin.format.skipped_channel import ReplayPolicy
 
 STARTS = (Channel.THINK, Channel.RESPONSE)
 

@@ -38,13 +38,14 @@ from hypothesis import strategies as st
 
 from tests.support.k3_ids import atom_tokens, encoding
 from vllm_k3_plugin.format import marked, vocab
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.output import (
     OutputReader,
     OutputReading,
     collect_output,
     finish_reason,
 )
-from vllm_k3_plugin.format.reasoning import Channel, ReplayPolicy
+from vllm_k3_plugin.format.skipped_channel import ReplayPolicy
 from vllm_k3_plugin.format.xtml import escape_attribute, grammar_for
 
 OPEN, CLOSE, SEP = vocab.OPEN, vocab.CLOSE, vocab.SEP

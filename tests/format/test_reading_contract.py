@@ -11,6 +11,7 @@ import pytest
 from tests.support.expected_tools import NO_CALL_SHAPES
 from tests.support.k3_ids import Control, encode, id_atoms, token_chunks
 from vllm_k3_plugin.format import vocab
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.events import Content
 from vllm_k3_plugin.format.marked import TextAtoms
 from vllm_k3_plugin.format.output import (
@@ -19,7 +20,6 @@ from vllm_k3_plugin.format.output import (
     collect_output,
     finish_reason,
 )
-from vllm_k3_plugin.format.reasoning import Channel
 from vllm_k3_plugin.format.tools import ToolCall
 from vllm_k3_plugin.tools.shapes import RUNAWAY_PROSE, SHAPES, output_ids
 

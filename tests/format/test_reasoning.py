@@ -10,14 +10,10 @@ import pytest
 
 from tests.conftest import chunkings, read_streamed
 from tests.support.k3_ids import Control, encode, id_atoms, token_chunks
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.marked import unmarked
-from vllm_k3_plugin.format.reasoning import (
-    Channel,
-    ReasoningReader,
-    ReplayPolicy,
-    collect,
-    read_whole,
-)
+from vllm_k3_plugin.format.reasoning import ReasoningReader, collect, read_whole
+from vllm_k3_plugin.format.skipped_channel import ReplayPolicy
 from vllm_k3_plugin.format.vocab import (
     MESSAGE_END,
     RESPONSE_END,

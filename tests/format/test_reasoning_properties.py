@@ -14,11 +14,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import read_streamed
 from vllm_k3_plugin.format import vocab
-from vllm_k3_plugin.format.reasoning import (
-    Channel,
-    ReplayPolicy,
-    read_whole,
-)
+from vllm_k3_plugin.format.channels import Channel
+from vllm_k3_plugin.format.reasoning import read_whole
+from vllm_k3_plugin.format.skipped_channel import ReplayPolicy
 
 MARKERS = list(vocab.REASONING_MARKERS)
 PARTIALS = [m[:i] for m in MARKERS for i in range(1, len(m))]

@@ -20,13 +20,11 @@ from jsonschema import Draft202012Validator
 from tests.support import kvv
 from tests.support.k3_ids import marked_rendering
 from vllm_k3_plugin.format import marked, vocab
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.events import (
     ToolMarkup,
 )
-from vllm_k3_plugin.format.reasoning import (
-    Channel,
-    ReasoningReader,
-)
+from vllm_k3_plugin.format.reasoning import ReasoningReader
 from vllm_k3_plugin.format.tools import (
     ToolCallReader,
     collect_calls,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from vllm_k3_plugin.format import marked as m
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.events import (
     CallOpened,
     Content,
@@ -27,12 +28,8 @@ from vllm_k3_plugin.format.events import (
     Reasoning,
     ToolMarkup,
 )
-from vllm_k3_plugin.format.reasoning import (
-    Channel,
-    ReasoningReader,
-    ReplayPolicy,
-    split_events,
-)
+from vllm_k3_plugin.format.reasoning import ReasoningReader, split_events
+from vllm_k3_plugin.format.skipped_channel import ReplayPolicy
 from vllm_k3_plugin.format.tools import ToolCall, ToolCallReader, collect_calls
 from vllm_k3_plugin.format.xtml import GENERIC_GRAMMAR, TagGrammar
 
