@@ -45,6 +45,10 @@ Reading rules:
 
 Memory: a typed value (until its closer), a tag (at most the grammar's
 ``max_tag_chars``) and a run of whitespace between elements.
+
+One job, kept in one module: every rule above is a transition of the one state
+machine (the reader's state and the call, arguments and value it is in), and the
+whole-channel read beside it is that reader fed once.
 """
 
 from __future__ import annotations
