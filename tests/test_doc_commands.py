@@ -44,7 +44,8 @@ CAPTURE = (
     "--out raw.jsonl"
 )
 REPLAY_FILE = "vllm-k3 replay raw.jsonl --against vllm --show 10 --report replay.json"
-RUN = (REPLAY_BUILTIN, SERVE_ON_CPU, CAPTURE, REPLAY_FILE)
+TINY = "python -m vllm_k3_plugin.tools.tiny DIR"
+RUN = (REPLAY_BUILTIN, TINY, SERVE_ON_CPU, CAPTURE, REPLAY_FILE)
 # Run as written elsewhere: the CPU serve command starts the plain server of
 # ``tests/model/test_plain_serve.py`` (one server start where two were alike).
 
@@ -87,6 +88,20 @@ def test_the_readmes_first_command_shows_replies_vllm_loses():
     run = _vllm_k3(REPLAY_BUILTIN.removeprefix(".venv/bin/"))
     assert run.returncode == 0, run.stderr[-2000:]
     assert ": reply lost" in run.stdout
+
+
+def test_the_tiny_checkpoint_command_writes_a_checkpoint(tmp_path):
+    words = shlex.split(TINY)
+    assert words[:3] == ["python", "-m", "vllm_k3_plugin.tools.tiny"]
+    run = subprocess.run(
+        [sys.executable, *words[1:-1], str(tmp_path / "DIR")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    config = json.loads((tmp_path / "DIR" / "config.json").read_text())
+    assert config["architectures"] == ["KimiK3ForConditionalGeneration"]
 
 
 @pytest.mark.server

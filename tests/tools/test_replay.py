@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +77,12 @@ def test_builtin_replay_against_vllm(capsys, tmp_path):
         "  tool calls: the same, -",
     ]
     assert "Terms: an output ends by 'stop'" in out
+    # The README quotes the summary: each line it quotes is the replay's own.
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("\n```\n52 outputs from", 1)[1].split("```", 1)[0]
+    quoted = ("52 outputs from" + block).strip().splitlines()
+    assert len(quoted) == 3
+    assert [line for line in quoted if line not in out] == []
 
 
 def test_a_long_field_is_shown_to_its_limit_and_says_how_long_it_is():
