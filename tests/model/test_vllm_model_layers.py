@@ -792,7 +792,7 @@ def test_on_vllms_kda_ops_windows_read_nothing_back_around_the_op(spec_layer):
     device tensors only (a CUDA graph holds them; the op itself is vLLM's)."""
     from k3_triton_kernels.kda.vllm_ops_args import vllm_window_args
     from k3_triton_kernels.kda.windows import place_outputs, window_conv
-    from vllm_k3_plugin.model.kda import speculative_windows
+    from vllm_k3_plugin.model.kda_cache import speculative_windows
 
     layer, _ = spec_layer
     _fresh_cache(layer, slots=10)

@@ -65,11 +65,8 @@ from vllm_k3_plugin.model.expert_balance import (
     K3MixtureOfExperts,
     redundant_experts,
 )
-from vllm_k3_plugin.model.kda import (
-    KdaAttention,
-    kda_state_dtypes,
-    kda_state_shapes,
-)
+from vllm_k3_plugin.model.kda import KdaAttention
+from vllm_k3_plugin.model.kda_cache import kda_state_dtypes, kda_state_shapes
 from vllm_k3_plugin.model.kernel_choice import moe_backend
 from vllm_k3_plugin.model.logs import logger
 from vllm_k3_plugin.model.mla import GatedMlaAttention
