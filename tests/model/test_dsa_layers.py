@@ -255,7 +255,7 @@ def test_the_k31_checkpoint_builds_sparse_layers_and_loads_every_tensor(
 def test_a_missing_or_misshapen_indexer_tensor_is_named(
     k31_model, tiny_k31_checkpoint, tensor
 ):
-    from vllm_k3_plugin.model.model import MissingWeightsError
+    from vllm_k3_plugin.model.loader import MissingWeightsError
 
     model, _ = k31_model
     name = f"model.layers.{DSA_LAYERS[0]}.self_attn.indexer.{tensor}"

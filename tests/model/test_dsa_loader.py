@@ -71,7 +71,7 @@ def test_the_class_loads_every_real_indexer_tensor(vllm_config, checkpoint_tenso
     from types import SimpleNamespace
 
     from vllm_k3_plugin.model.dsa import K3Indexer, topk_slot_buffer
-    from vllm_k3_plugin.model.model import load_k3_tensors
+    from vllm_k3_plugin.model.loader import load_k3_tensors
     from vllm_k3_plugin.reference.checkpoint_format import dsa_settings
 
     text = _real_text()

@@ -37,7 +37,7 @@ def test_cuda_graphs_are_refused_at_load_only_where_a_layer_reads_the_host(mode)
     from torch import nn
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_k3_plugin.model.model import check_cuda_graphs
+    from vllm_k3_plugin.model.build_checks import check_cuda_graphs
 
     def config(name):
         return SimpleNamespace(
@@ -161,7 +161,7 @@ def test_sparse_attention_is_served_on_the_cpu_and_with_vllms_layers_else_refuse
     naming the way out."""
     from dataclasses import make_dataclass
 
-    from vllm_k3_plugin.model.model import sparse_attention
+    from vllm_k3_plugin.model.build_checks import sparse_attention
 
     dsa = K31_DSA
     if as_dataclass:
@@ -178,7 +178,7 @@ def test_sparse_attention_is_served_on_the_cpu_and_with_vllms_layers_else_refuse
 
 
 def test_a_sparse_attention_config_it_cannot_honour_is_refused_on_the_cpu():
-    from vllm_k3_plugin.model.model import sparse_attention
+    from vllm_k3_plugin.model.build_checks import sparse_attention
     from vllm_k3_plugin.reference.checkpoint_format import DsaConfigError
 
     shared_index = SimpleNamespace(dsa_config={**K31_DSA, "index_topk_freq": 2})

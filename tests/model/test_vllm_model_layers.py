@@ -1118,11 +1118,9 @@ def test_the_class_accepts_the_graph_configs_vllm_builds_for_k3(
     from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
     from vllm.config import CompilationMode, CUDAGraphMode, set_current_vllm_config
 
+    from vllm_k3_plugin.model.build_checks import check_cuda_graphs
     from vllm_k3_plugin.model.mla_backend import gpu_mla_backend
-    from vllm_k3_plugin.model.model import (
-        KimiK3ForConditionalGeneration,
-        check_cuda_graphs,
-    )
+    from vllm_k3_plugin.model.model import KimiK3ForConditionalGeneration
 
     config = gpu_config(vendor, drafts)
     compilation = config.compilation_config
@@ -1309,7 +1307,7 @@ def test_on_vllms_fused_moe_the_routed_scaling_factor_applies_once(
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from vllm_k3_plugin.model.model import load_k3_tensors
+    from vllm_k3_plugin.model.loader import load_k3_tensors
     from vllm_k3_plugin.model.moe import LatentMoe
     from vllm_k3_plugin.reference.checkpoint_format import (
         dense_weight_shapes,

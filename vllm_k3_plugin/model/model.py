@@ -16,6 +16,9 @@ Pipeline parallelism (``SupportsPP``): each stage builds its own layers (vLLM's
 ``residual``, and the partial sum as ``hidden_states`` (the intermediate tensors
 vLLM's in-tree K3 sends). The embedding lives on the first stage; the final mix, norm
 and LM head on the last. Tensor parallelism goes through vLLM's parallel layers.
+
+The checkpoint's tensors load through ``loader.py``; what the class checks and logs
+as vLLM builds it is ``build_checks.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.config.compilation import CUDAGraphMode
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -37,7 +39,6 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import (
     HasInnerState,
     IsHybrid,
@@ -52,11 +53,15 @@ from vllm.model_executor.models.utils import (
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
-from vllm_k3_plugin.envs import MODEL_CLASS_ENV
 from vllm_k3_plugin.model import cpu_pipeline
+from vllm_k3_plugin.model.build_checks import (
+    check_cuda_graphs,
+    note_quantization,
+    report_class,
+    sparse_attention,
+)
 from vllm_k3_plugin.model.dsa import topk_slot_buffer
 from vllm_k3_plugin.model.dsa_vllm import (
-    indexer_parameter,
     model_topk_buffer,
     vllm_indexer_class,
 )
@@ -68,6 +73,7 @@ from vllm_k3_plugin.model.expert_balance import (
 from vllm_k3_plugin.model.kda import KdaAttention
 from vllm_k3_plugin.model.kda_cache import kda_state_dtypes, kda_state_shapes
 from vllm_k3_plugin.model.kernel_choice import moe_backend
+from vllm_k3_plugin.model.loader import load_k3_tensors
 from vllm_k3_plugin.model.logs import logger
 from vllm_k3_plugin.model.mla import GatedMlaAttention
 from vllm_k3_plugin.model.moe import LatentMoe, SituMlp
@@ -75,12 +81,8 @@ from vllm_k3_plugin.model.one_class import announce, check_peers
 from vllm_k3_plugin.reference import reference as ref
 from vllm_k3_plugin.reference.checkpoint_format import (
     LANGUAGE_MODEL_PREFIX,
-    MXFP4_SUFFIXES,
-    Mxfp4Halves,
-    WeightShapeError,
     attn_res_site,
     dense_weight_shapes,
-    dsa_settings,
     expert_weight_shapes,
     is_kda_layer,
     mtp_layers,
@@ -88,10 +90,6 @@ from vllm_k3_plugin.reference.checkpoint_format import (
 )
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
-
-
-class MissingWeightsError(ValueError):
-    """Checkpoint tensors the model needs and the checkpoint does not have."""
 
 
 class ResidualProjection(nn.Module):
@@ -283,35 +281,6 @@ class K3Model(nn.Module):
         )
 
 
-def sparse_attention(
-    config, *, on_cpu: bool, vllm_layers: bool
-) -> dict[str, Any] | None:
-    """Kimi-K3.1's ``dsa_config`` (sparse attention on the MLA layers), checked:
-    ``None`` for a dense K3. The class serves it on the CPU with its own layers
-    (``dsa.py``) and, where ``vllm_layers`` (the installed vLLM has K3.1 layers for
-    this GPU), with vLLM's (``dsa_vllm.py``). Elsewhere attending densely would be
-    wrong past ``index_topk`` tokens, so it refuses, naming vLLM's own K3.1 class. A
-    ``dsa_config`` the reference cannot honour is refused everywhere
-    (``DsaConfigError``)."""
-    dsa = getattr(config, "dsa_config", None)
-    if dsa is None:
-        return None
-    if not (on_cpu or vllm_layers):
-        raise ValueError(
-            "Kimi-K3.1 (dsa_config: DeepSeek Sparse Attention on the MLA layers) is "
-            "served by the vllm-k3-plugin model class on the CPU, and on CUDA GPUs "
-            "with vLLM's Kimi-K3.1 layers (vLLM 0.34 or later); this vLLM has none "
-            "for this platform, and attending densely would be wrong past "
-            f"index_topk tokens. vLLM's own class ({MODEL_CLASS_ENV}=vllm) serves "
-            "Kimi-K3.1 on CUDA GPUs with vLLM 0.34 or later; its ROCm Kimi-K3 class "
-            "has no sparse attention"
-        )
-    layout = ("num_hidden_layers", "linear_attn_config")
-    return dsa_settings(
-        {"dsa_config": dsa, **{key: getattr(config, key, None) for key in layout}}
-    )
-
-
 class KimiK3ForCausalLM(
     nn.Module, HasInnerState, IsHybrid, SupportsPP, K3MixtureOfExperts
 ):
@@ -343,11 +312,11 @@ class KimiK3ForCausalLM(
         )
         self.logits_processor = LogitsProcessor(config.vocab_size)
         if not prefix:
-            _report_class(self, config)
+            report_class(self, config)
             announce(self, vllm_config)
         if current_platform.is_cpu() and get_pp_group().world_size > 1:
             cpu_pipeline.install()
-        _note_quantization(vllm_config)
+        note_quantization(vllm_config)
         check_cuda_graphs(vllm_config, self, on_gpu=current_platform.is_cuda_alike())
         self._count_experts(config, self.model.fused_moe_runners())
         if redundant_experts(vllm_config) is not None and not self.num_moe_layers:
@@ -415,92 +384,6 @@ class KimiK3ForCausalLM(
         return loaded
 
 
-def load_k3_tensors(
-    module: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
-    dense: dict[str, tuple[int, ...]],
-    experts: dict[str, tuple[int, int]],
-    *,
-    elsewhere: set[str] = frozenset(),
-    optional: set[str] = frozenset(),
-) -> set[str]:
-    """Load checkpoint tensors named as ``module``'s parameters: ``dense`` BF16
-    tensors and the MXFP4 pairs of ``experts`` (``checkpoint_format``'s shapes),
-    skipping ``elsewhere`` (another pipeline stage's); ``optional`` ones of
-    ``dense`` may be absent.
-
-    Returns the parameter names loaded. A tensor whose shape differs from the one
-    the config implies, an MXFP4 half without its other half, or a tensor the
-    model needs and the checkpoint lacks is an error naming the tensor; names the
-    model does not know are skipped with one warning.
-    """
-    params = dict(module.named_parameters())
-    loaded: set[str] = set()
-    loaded_dense: set[str] = set()
-    loaded_experts: set[str] = set()
-    halves = Mxfp4Halves()
-    unknown: list[str] = []
-    for name, tensor in weights:
-        stem = name.rpartition(".")[0]
-        if name in elsewhere or stem in elsewhere:
-            continue
-        if name.endswith(MXFP4_SUFFIXES):
-            if stem not in experts:
-                unknown.append(name)
-                continue
-            pair = halves.add(name, tensor)
-            if pair is None:
-                continue
-            stem, packed, scale = pair
-            _check_mxfp4_pair(stem, packed, scale, experts[stem])
-            layer, _, tail = stem.rpartition(".experts.")
-            expert, proj = tail.split(".")
-            moe = module.get_submodule(layer)
-            for param_name in moe.load_expert(int(expert), proj, packed, scale):
-                loaded.add(f"{layer}.{param_name}")
-            loaded_experts.add(stem)
-            continue
-        elif name in dense:
-            _check_shape(name, tensor, dense[name])
-        else:
-            unknown.append(name)
-            continue
-        # vLLM's K3.1 indexer (on GPUs) holds the indexer tensors under its names.
-        target, shard = (
-            (name, None) if name in params else indexer_parameter(name) or (name, None)
-        )
-        param = params[target]
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        if shard is None:
-            loader(param, tensor)
-        else:
-            loader(param, tensor, shard)
-        loaded.add(target)
-        loaded_dense.add(name)
-    unpaired = halves.unpaired()
-    if unpaired is not None:
-        raise MissingWeightsError(unpaired)
-    missing = sorted(
-        ((set(dense) - loaded_dense) | (set(experts) - loaded_experts))
-        - elsewhere
-        - optional
-    )
-    if missing:
-        raise MissingWeightsError(
-            f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
-            + ", ".join(missing[:8])
-            + (" ..." if len(missing) > 8 else "")
-        )
-    if unknown:
-        logger.warning(
-            "Kimi-K3: %d checkpoint tensor(s) not used by the model: %s%s",
-            len(unknown),
-            ", ".join(unknown[:8]),
-            " ..." if len(unknown) > 8 else "",
-        )
-    return loaded
-
-
 class KimiK3ForConditionalGeneration(
     nn.Module, HasInnerState, IsHybrid, SupportsPP, MixtureOfExperts
 ):
@@ -514,7 +397,7 @@ class KimiK3ForConditionalGeneration(
             vllm_config=vllm_config, prefix=_join(prefix, "language_model")
         )
         if not prefix:
-            _report_class(self, self.language_model.config)
+            report_class(self, self.language_model.config)
             announce(self, vllm_config)
         self.make_empty_intermediate_tensors = (
             self.language_model.make_empty_intermediate_tensors
@@ -591,98 +474,3 @@ class KimiK3ForConditionalGeneration(
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != tuple(expected):
-        raise WeightShapeError(
-            f"{name}: checkpoint shape {tuple(tensor.shape)}, the config implies "
-            f"{tuple(expected)}"
-        )
-
-
-def _check_mxfp4_pair(stem: str, packed, scale, shape) -> None:
-    rows, cols = shape
-    _check_shape(f"{stem}.weight_packed", packed, (rows, cols // 2))
-    _check_shape(f"{stem}.weight_scale", scale, (rows, cols // ref.MXFP4_BLOCK))
-
-
-def _report_class(model: nn.Module, config) -> None:
-    text = config.to_dict()
-    kinds = [
-        "KDA" if is_kda_layer(text, i) else "MLA"
-        for i in range(config.num_hidden_layers)
-    ]
-    dsa = dsa_settings(text)
-    # The indexers built (this pipeline stage's), not the config's count.
-    indexers = sum(
-        isinstance(module, GatedMlaAttention) and module.sparse
-        for module in model.modules()
-    )
-    sparse = "" if dsa is None else f"; DSA on {indexers} (top-{dsa['index_topk']})"
-    logger.info(
-        "Kimi-K3 model class %s.%s: %d layers (%d KDA, %d MLA%s), attention-residual "
-        "block %d, %d experts (top-%d)",
-        type(model).__module__,
-        type(model).__qualname__,
-        len(kinds),
-        kinds.count("KDA"),
-        kinds.count("MLA"),
-        sparse,
-        config.attn_res_block_size,
-        config.num_experts,
-        config.num_experts_per_token,
-    )
-
-
-def _note_quantization(vllm_config: VllmConfig) -> None:
-    quant = vllm_config.quant_config
-    if quant is not None:
-        logger.info(
-            "Kimi-K3: the checkpoint's %s routed experts are decoded on load; the "
-            "other layers are BF16 as published",
-            quant.get_name(),
-        )
-
-
-def check_cuda_graphs(vllm_config: VllmConfig, model: nn.Module, *, on_gpu: bool):
-    """Refuse at load, naming the block, a CUDA graph configuration a block of this
-    model cannot be captured in, rather than fail at capture.
-
-    vLLM captures K3 two ways (it never compiles it): full graphs of uniform decode
-    batches (both vendors; vLLM's decorated ops run inside them), and on NVIDIA,
-    where vLLM turns breakable graphs on for K3 (``VLLM_USE_BREAKABLE_CUDAGRAPH``;
-    0.34 keeps the decision in ``CompilationConfig.use_breakable_cudagraph``),
-    breakable graphs of the other batches. What each block is in them:
-
-    - KDA: the delta rule is an eager break (it reads a prefill's layout on the
-      host); a decode-only step, with or without draft tokens, reads nothing back
-      and is captured whole in a full graph (``KdaAttention._decode_only``,
-      ``_windows``). Its metadata is vLLM's GDN builder's (uniform batches).
-    - Kimi-K3.1's indexer (vLLM's, CUDA): vLLM's ``sparse_attn_indexer`` op, an
-      eager break in breakable graphs and inside full decode graphs, as in vLLM's
-      own K3.1 class.
-    - MLA: vLLM's ``MLAAttention``, a break. Under ``K3_TRITON_MLA`` (metadata:
-      vLLM's Triton MLA builder, uniform batches) our decode kernel splits each
-      row's own length on the device, its split count fixed at capture from the
-      capture's ``max_seq_len`` (vLLM's ``max_model_len``); under
-      ``VLLM_K3_MLA=auto``, vLLM's backend and its builder's declared support.
-    - MoE on the kernels or on vLLM's FusedMoE, the attention residuals, norms,
-      projections and the embedding: captured; they read nothing back (vLLM runs
-      the LM head outside the graph). The MoE's PyTorch path groups tokens on
-      the host: refused here, naming the layer and why it took that path."""
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if not on_gpu or mode is None or mode == CUDAGraphMode.NONE:
-        return
-    blocked = [
-        (name, module.graph_blocker)
-        for name, module in model.named_modules()
-        if getattr(module, "graph_blocker", None)
-    ]
-    if blocked:
-        name, reason = blocked[0]
-        more = f" (and {len(blocked) - 1} more layers)" if len(blocked) > 1 else ""
-        raise ValueError(
-            f"Kimi-K3: {name}{more} cannot be captured in CUDA graphs "
-            f"(cudagraph_mode {mode.name}): {reason}. Serve with --enforce-eager"
-        )

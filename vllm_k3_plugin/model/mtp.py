@@ -34,12 +34,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.platforms import current_platform
 
+from vllm_k3_plugin.model.build_checks import check_cuda_graphs
+from vllm_k3_plugin.model.loader import load_k3_tensors
 from vllm_k3_plugin.model.logs import logger
-from vllm_k3_plugin.model.model import (
-    DecoderLayer,
-    check_cuda_graphs,
-    load_k3_tensors,
-)
+from vllm_k3_plugin.model.model import DecoderLayer
 from vllm_k3_plugin.reference.checkpoint_format import (
     LANGUAGE_MODEL_PREFIX,
     MTP_EMBEDDING,
