@@ -10,7 +10,7 @@ import json
 import pytest
 
 from vllm_k3_plugin.parsers.messages_stream import WholeCalls, calls_whole
-from vllm_k3_plugin.parsers.serving_hooks import RAW_ARGUMENTS_KEY
+from vllm_k3_plugin.parsers.raw_arguments import RAW_ARGUMENTS_KEY
 
 ENVELOPE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
             "model": "k3"}  # fmt: skip

@@ -8,12 +8,8 @@ import json
 import pytest
 
 from vllm_k3_plugin.parsers import serving_hooks
-from vllm_k3_plugin.parsers.serving_hooks import (
-    RAW_ARGUMENTS_KEY,
-    json_object_text,
-    last_output_cut,
-    record_output,
-)
+from vllm_k3_plugin.parsers.raw_arguments import RAW_ARGUMENTS_KEY, json_object_text
+from vllm_k3_plugin.parsers.serving_hooks import last_output_cut, record_output
 
 
 @pytest.mark.parametrize("arguments", ['{"city": "Paris"}', "{}"])

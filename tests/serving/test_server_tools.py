@@ -21,7 +21,7 @@ from tests.support.expected_tools import (
 )
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.xtml import render_call, render_tools
-from vllm_k3_plugin.parsers.serving_hooks import RAW_ARGUMENTS_KEY
+from vllm_k3_plugin.parsers.raw_arguments import RAW_ARGUMENTS_KEY
 from vllm_k3_plugin.tools.shapes import (
     FILE_ARGUMENTS,
     RAW_ARGUMENTS,

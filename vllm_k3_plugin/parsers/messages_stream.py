@@ -8,8 +8,8 @@ and the ``anthropic`` SDK's stream helper parses the input after every delta and
 fails the request on text that cannot begin a JSON value. So on this endpoint a
 call's arguments are held until the call ends (the next call, other text, the
 finish, or the stream's end) and sent in one piece: the arguments if they are a
-JSON object, else ``{"_raw_arguments": "<the text>"}`` (``json_object_text``, the
-same reading the non-streamed reply gets).
+JSON object, else ``{"_raw_arguments": "<the text>"}`` (``raw_arguments.py``'s
+``json_object_text``, the same reading the non-streamed reply gets).
 
 ``WholeCalls`` works on chunks as dicts; ``calls_whole`` adapts vLLM 0.32's SSE
 strings and 0.33's response objects to it.
@@ -21,7 +21,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from vllm_k3_plugin.parsers.serving_hooks import json_object_text
+from vllm_k3_plugin.parsers.raw_arguments import json_object_text
 
 _ENVELOPE = ("id", "object", "created", "model")
 

@@ -13,7 +13,8 @@ decides:
   inline there): the choice's finish reason is set back to what ended the output;
 - both: ``/v1/messages``' stop reason, and its non-streaming conversion, whose
   ``json.loads`` of each call's arguments fails on a cut call: there a call whose
-  arguments are not JSON keeps them as text, ``{RAW_ARGUMENTS_KEY: "<text>"}``.
+  arguments are not JSON keeps them as text, ``{RAW_ARGUMENTS_KEY: "<text>"}``
+  (``raw_arguments.py``).
 
 Responses needs nothing: it reports the engine's finish reason. A Responses stream
 an error ends sends ``response.failed`` (``stream_faults``).
@@ -28,14 +29,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
 from vllm_k3_plugin.parsers import metrics, stream_faults
+from vllm_k3_plugin.parsers.raw_arguments import json_object_text
 from vllm_k3_plugin.wire import facts as engine_facts
 
-RAW_ARGUMENTS_KEY = "_raw_arguments"
 _MARK = "_vllm_k3_plugin_hook"
 _TOOL_CALLS_FINISH = '"finish_reason":"tool_calls"'
 
@@ -327,15 +327,3 @@ def _raw_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, generator)
 
     return messages_full_converter
-
-
-def json_object_text(arguments: str, *, stream: bool) -> str:
-    """``arguments`` if it is a JSON object; else an object keeping it as text
-    (counted: ``vllm_k3_arguments_kept_as_text_total``)."""
-    try:
-        if isinstance(json.loads(arguments), dict):
-            return arguments
-    except (ValueError, RecursionError):
-        pass
-    metrics.count_kept_as_text("messages", stream)
-    return json.dumps({RAW_ARGUMENTS_KEY: arguments}, ensure_ascii=False)
