@@ -1,7 +1,9 @@
-"""Install faults: the plugin left out by ``VLLM_PLUGINS``, an unsupported vLLM."""
+"""Install faults: the plugin left out by ``VLLM_PLUGINS``, an unsupported vLLM;
+and what registration logs at start."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -16,7 +18,11 @@ from vllm_k3_plugin.compat import (
     release,
     unsupported_reason,
 )
-from vllm_k3_plugin.envs import ALLOW_UNSUPPORTED_VLLM_ENV
+from vllm_k3_plugin.envs import (
+    ALLOW_UNSUPPORTED_VLLM_ENV,
+    MODEL_CLASS_ENV,
+    MODEL_CLASS_SETTINGS,
+)
 
 # Loads general plugins as every vLLM process does, then reports what ``kimi_k3``
 # resolves to and whether any module of ours was imported.
@@ -138,19 +144,26 @@ def test_check_raises_or_warns(monkeypatch):
     assert release("0.33.2") == (0, 33)
 
 
-def test_the_registration_line_waits_for_vllms_logging():
+IGNORED = "act only on the plugin's Kimi-K3 model class"
+
+
+def test_the_registration_lines_wait_for_vllms_logging():
     """The API server loads plugins while it parses its arguments, before vLLM
-    configures logging: the line is said once vLLM's ``configure_logging_from_args``
-    runs, as the API server calls it, and once only (a second registration before
-    that queues nothing more)."""
+    configures logging: the registration line, and the warning that the model
+    class's settings set here change nothing, are said once vLLM's
+    ``configure_logging_from_args`` runs, as the API server calls it, in vLLM's
+    format, and once only (registering again before or after that says nothing
+    more)."""
     probe = (
         "import argparse, vllm.logger as vllm_logger; "
         "from vllm.plugins import load_general_plugins; "
         "from vllm_k3_plugin.registration import register_all; "
         "load_general_plugins(); register_all(); print('LOADED', flush=True); "
-        "vllm_logger.configure_logging_from_args(argparse.Namespace())"
+        "vllm_logger.configure_logging_from_args(argparse.Namespace()); "
+        "register_all()"
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env.update({MODEL_CLASS_ENV: "vllm", "VLLM_K3_MLA": "triton"})
     run = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, env=env,
         timeout=300,
@@ -159,4 +172,96 @@ def test_the_registration_line_waits_for_vllms_logging():
     said = run.stdout + run.stderr
     registered = "kimi_k3 reasoning and tool parsers registered"
     assert said.count(registered) == 1, said[-2000:]
-    assert said.index("LOADED") < said.index(registered)
+    assert said.count(IGNORED) == 1, said[-2000:]
+    assert said.index("LOADED") < said.index(registered) < said.index(IGNORED)
+    (warning,) = [line for line in said.splitlines() if IGNORED in line]
+    assert " WARNING " in warning and "[registration.py:" in warning, warning
+    assert "VLLM_K3_MLA=triton: these settings" in warning
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def start_log(monkeypatch):
+    """What registration logs, at once (vLLM's logging configured) and as in a
+    fresh process (nothing said yet), with none of the model class's settings
+    set."""
+    import vllm.logger as vllm_logger
+
+    from vllm_k3_plugin import registration
+
+    monkeypatch.setattr(vllm_logger, "_last_configured_logging_config", object())
+    monkeypatch.setattr(registration, "_SAID", set())
+    for env in (MODEL_CLASS_ENV, *MODEL_CLASS_SETTINGS):
+        monkeypatch.delenv(env, raising=False)
+    logger = logging.getLogger("vllm.k3_plugin")
+    records = _Records()
+    logger.addHandler(records)
+    yield records
+    logger.removeHandler(records)
+
+
+def _warnings(log: _Records) -> list[str]:
+    return [
+        record.getMessage()
+        for record in log.records
+        if record.levelno >= logging.WARNING
+    ]
+
+
+def _off_the_cpu(monkeypatch) -> None:
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+
+
+def test_the_model_class_settings_set_where_the_class_is_off_are_named_once(
+    start_log, monkeypatch
+):
+    from vllm_k3_plugin.registration import register_all
+
+    _off_the_cpu(monkeypatch)
+    monkeypatch.setenv("VLLM_K3_MOE", "triton")
+    monkeypatch.setenv("VLLM_K3_KERNELS", "pytorch")
+    register_all()
+    register_all()
+    assert _warnings(start_log) == [
+        "VLLM_K3_KERNELS=pytorch, VLLM_K3_MOE=triton: these settings act only on "
+        "the plugin's Kimi-K3 model class, which is off here "
+        "(VLLM_K3_MODEL_CLASS=vllm, its default off the CPU): vLLM's in-tree class "
+        "serves and ignores them. VLLM_K3_MODEL_CLASS=plugin turns the plugin's "
+        "class on."
+    ]
+
+
+def test_the_class_turned_off_by_its_setting_is_named_so(start_log, monkeypatch):
+    from vllm_k3_plugin.registration import register_all
+
+    monkeypatch.setenv(MODEL_CLASS_ENV, "vllm")
+    monkeypatch.setenv("VLLM_K3_KDA", "torch")
+    register_all()
+    (warning,) = _warnings(start_log)
+    assert warning.startswith("VLLM_K3_KDA=torch: these settings")
+    assert "is off here (VLLM_K3_MODEL_CLASS=vllm):" in warning
+
+
+@pytest.mark.parametrize("case", ["class on", "none set"])
+def test_no_warning_where_the_class_serves_or_nothing_is_set(
+    start_log, monkeypatch, case
+):
+    from vllm_k3_plugin.registration import register_all
+
+    if case == "class on":  # the CPU's default
+        for env in MODEL_CLASS_SETTINGS:
+            monkeypatch.setenv(env, "triton")
+    else:
+        _off_the_cpu(monkeypatch)
+    register_all()
+    assert _warnings(start_log) == []

@@ -114,6 +114,11 @@ def kda(on_gpu: bool) -> str:
     return _choice(KDA_ENV, default, KDA_CHOICES, "a KDA")
 
 
+# The settings that act only on the plugin's model class: vLLM's in-tree class
+# ignores them, and registration warns where one is set and the class is off.
+MODEL_CLASS_SETTINGS = (KERNELS_ENV, MOE_ENV, MLA_ENV, KDA_ENV)
+
+
 def setting_source(env: str, value: str) -> str:
     """The setting that chose ``value`` for ``env``, as a log line names it: the
     variable itself, ``VLLM_K3_KERNELS`` where that chose, else the default."""

@@ -36,6 +36,8 @@
    (``VLLM_K3_MODEL_CLASS=plugin`` forces it, ``vllm`` keeps vLLM's in-tree class
    everywhere). With them, a config hook (``model.cpu_config``) settles on the CPU
    what a plain ``vllm serve`` of a K3 checkpoint could not start with there.
+   Without them, the class's own settings (``envs.MODEL_CLASS_SETTINGS``) change
+   nothing: one warning at start names each that is set.
 
 All are idempotent: vLLM loads general plugins once per process, but tests and
 embedding code may call ``register()`` again.
@@ -44,6 +46,8 @@ embedding code may call ``register()`` again.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from typing import Any
 
 from vllm_k3_plugin.reference.checkpoint_format import K3_WRAPPER, K31_WRAPPER
@@ -74,10 +78,11 @@ def register_all() -> None:
     policy = replay_policy()
     from vllm.platforms import current_platform
 
-    models = model_class(on_cpu=current_platform.is_cpu())
+    on_cpu = current_platform.is_cpu()
+    models = model_class(on_cpu=on_cpu)
     kernels()
-    moe(on_cpu=current_platform.is_cpu())
-    mla(on_cpu=current_platform.is_cpu())
+    moe(on_cpu=on_cpu)
+    mla(on_cpu=on_cpu)
     kda(on_gpu=current_platform.is_cuda_alike())
     metrics()
     _register_reasoning_parser()
@@ -96,20 +101,57 @@ def register_all() -> None:
         policy.value,
         MODEL_MODULE if models == "plugin" else "vLLM's in-tree",
     )
+    if models != "plugin":
+        _warn_of_ignored_settings(logger, models)
+
+
+def _warn_of_ignored_settings(logger: Any, models: str) -> None:
+    """One warning naming the model class's settings that are set while vLLM's
+    in-tree class serves: they change nothing, and nothing else would say so."""
+    from vllm_k3_plugin.envs import MODEL_CLASS_ENV, MODEL_CLASS_SETTINGS
+
+    ignored = [
+        f"{env}={os.environ[env]}" for env in MODEL_CLASS_SETTINGS if env in os.environ
+    ]
+    if not ignored:
+        return
+    chosen_by = f"{MODEL_CLASS_ENV}={models}"
+    if MODEL_CLASS_ENV not in os.environ:
+        chosen_by += ", its default off the CPU"
+    say_once_logging_is_configured(
+        logger,
+        "%s: these settings act only on the plugin's Kimi-K3 model class, which "
+        "is off here (%s): vLLM's in-tree class serves and ignores them. "
+        "%s=plugin turns the plugin's class on.",
+        ", ".join(ignored),
+        chosen_by,
+        MODEL_CLASS_ENV,
+        level=logging.WARNING,
+    )
 
 
 _DEFERRED_MARK = "_vllm_k3_plugin_deferred_lines"
+# What say_once_logging_is_configured has said (or queued) in this process.
+_SAID: set[tuple[str, int, tuple[Any, ...]]] = set()
 
 
-def say_once_logging_is_configured(logger: Any, *line: Any) -> None:
-    """Log ``line`` now if vLLM has configured logging in this process, else right
-    after it does: the API server loads plugins while it parses its arguments,
-    before it applies its logging config, and a line logged then is lost (no
-    handler yet, and Python's default level is WARNING)."""
+def say_once_logging_is_configured(
+    logger: Any, *line: Any, level: int = logging.INFO
+) -> None:
+    """Log ``line`` at ``level`` once in this process: now if vLLM has configured
+    logging, else right after it does. The API server loads plugins while it
+    parses its arguments, before it applies its logging config: an info line
+    logged then is lost (no handler yet, and Python's default level is WARNING),
+    a warning reaches stderr without vLLM's format (Python's last-resort
+    handler). Registering again says nothing more."""
     import vllm.logger as vllm_logger
 
+    said = (logger.name, level, line)
+    if said in _SAID:
+        return
+    _SAID.add(said)
     if getattr(vllm_logger, "_last_configured_logging_config", True) is not None:
-        logger.info(*line)
+        logger.log(level, *line)
         return
     configure = vllm_logger.configure_logging
     pending = getattr(configure, _DEFERRED_MARK, None)
@@ -120,14 +162,13 @@ def say_once_logging_is_configured(logger: Any, *line: Any) -> None:
         def configure_logging(*args: Any, **kwargs: Any) -> Any:
             vllm_logger.configure_logging = configure
             result = configure(*args, **kwargs)
-            for deferred_logger, deferred_line in pending:
-                deferred_logger.info(*deferred_line)
+            for deferred_logger, deferred_level, deferred_line in pending:
+                deferred_logger.log(deferred_level, *deferred_line)
             return result
 
         setattr(configure_logging, _DEFERRED_MARK, pending)
         vllm_logger.configure_logging = configure_logging
-    if (logger, line) not in pending:
-        pending.append((logger, line))
+    pending.append((logger, level, line))
 
 
 MODEL_MODULE = "vllm_k3_plugin.model.model"
