@@ -120,6 +120,19 @@ def k3_server(tiny_checkpoint, k3_server_log):
 
 
 @pytest.fixture(scope="session")
+def keyed_server(tiny_checkpoint, tmp_path_factory):
+    """One ``vllm serve --api-key`` for the session's tests of the clients that
+    send a key (``vllm-k3 capture``, the example clients); yields its URL and
+    key."""
+    from tests.support.server import running_server
+
+    key = "k3-test-key"
+    log = tmp_path_factory.mktemp("keyed-server") / "vllm-serve.log"
+    with running_server(tiny_checkpoint, log, "--api-key", key) as url:
+        yield url, key
+
+
+@pytest.fixture(scope="session")
 def tiny_k3_checkpoint(tmp_path_factory):
     """The tiny Kimi-K3 checkpoint in the real format (``tools.tiny``)."""
     from vllm_k3_plugin.tools.tiny import write_tiny_k3_checkpoint

@@ -8,7 +8,12 @@ import pytest
 
 from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.tools import cli
-from vllm_k3_plugin.tools.capture import CaptureError, done_ids, read_requests
+from vllm_k3_plugin.tools.capture import (
+    API_KEY_ENV,
+    CaptureError,
+    done_ids,
+    read_requests,
+)
 from vllm_k3_plugin.tools.shapes import SHAPES, TOOLS
 
 pytestmark = pytest.mark.server
@@ -99,6 +104,41 @@ def test_interrupted_capture_resumed_gives_the_same_file(captured):
     # Run again on a complete file: nothing is redone.
     assert cli.main([*argv, "--out", str(torn), "--no-progress"]) == 0
     assert torn.read_bytes() == full
+
+
+def test_capture_sends_the_api_key(
+    keyed_server, hf_tokenizer, tmp_path, monkeypatch, capsys
+):
+    """Against a server started with ``--api-key``: the key given with
+    ``--api-key`` or in ``OPENAI_API_KEY`` captures; none, or a wrong one, is a
+    one-line error naming the option, and nothing is written."""
+    url, key = keyed_server
+    requests = tmp_path / "requests.jsonl"
+    lines = _requests(hf_tokenizer)[:2]
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["capture", "--base-url", url, "--requests", str(requests), "--no-progress"]
+    flag, env = tmp_path / "flag.jsonl", tmp_path / "env.jsonl"
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert cli.main([*argv, "--out", str(flag), "--api-key", key]) == 0
+    records = [json.loads(line) for line in flag.open()]
+    assert [r["id"] for r in records] == [line["id"] for line in lines]
+    assert records[0]["text"] == SHAPES["think-then-reply"].output
+    monkeypatch.setenv(API_KEY_ENV, key)
+    assert cli.main([*argv, "--out", str(env)]) == 0
+    assert env.read_bytes() == flag.read_bytes()
+
+    for given, said in ((None, "wants an API key"), ("wrong", "refused the API key")):
+        monkeypatch.delenv(API_KEY_ENV, raising=False)
+        if given is not None:
+            monkeypatch.setenv(API_KEY_ENV, given)
+        out = tmp_path / f"refused-{given}.jsonl"
+        capsys.readouterr()
+        assert cli.main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"{url}/v1/models answered 401 Unauthorized: the server {said}" in err
+        assert "--api-key" in err
+        assert not out.exists()
 
 
 def test_bad_request_files(tmp_path):

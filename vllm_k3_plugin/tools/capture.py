@@ -16,7 +16,13 @@ line is rewritten) gives the same file as one that was never interrupted.
 
 A request line is a chat completion body (``messages``, optional ``tools``,
 ``chat_template_kwargs``, ``max_tokens``, sampling fields, ``vllm_xargs``) with an
-optional ``id`` (default: ``line-N``).
+optional ``id`` (default: ``line-N``): one request as a client sent it to
+``/v1/chat/completions``. vLLM keeps no record of the requests it served; they come
+from the clients' or a gateway's logs.
+
+A server started with ``--api-key`` is sent the key (``Authorization: Bearer``, the
+header vLLM checks) with every request; a refusal (401) is a ``CaptureError`` that
+names ``--api-key``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ _SAMPLING_FIELDS = (
     "vllm_xargs",
 )
 _RENDER_FIELDS = ("tools", "chat_template_kwargs")
+# Where the key comes from when the command line gives none, as for vLLM's own
+# OpenAI clients.
+API_KEY_ENV = "OPENAI_API_KEY"
 
 
 class CaptureError(Exception):
@@ -151,6 +160,17 @@ async def _capture_one(client, base_url: str, model: str, request_id: str, body)
 
 
 def _check(response, request_id: str, what: str) -> None:
+    if response.status_code == 401:
+        sent = "Authorization" in response.request.headers
+        raise CaptureError(
+            f"{response.request.url} answered 401 Unauthorized: "
+            + (
+                f"the server refused the API key given (--api-key or {API_KEY_ENV})"
+                if sent
+                else "the server wants an API key: give it with --api-key KEY "
+                f"or {API_KEY_ENV}"
+            )
+        )
     if response.status_code != 200:
         raise CaptureError(
             f"request {request_id!r}: {what} answered {response.status_code}: "
@@ -194,8 +214,11 @@ async def capture(
     model: str | None = None,
     progress: bool = True,
     timeout_s: float = 600.0,
+    api_key: str | None = None,
 ) -> int:
-    """Capture every request not yet in ``out``; return how many were captured."""
+    """Capture every request not yet in ``out``; return how many were captured.
+    ``api_key``: sent as ``Authorization: Bearer`` with every request (none: no
+    header)."""
     import httpx
 
     requests = read_requests(requests_path)
@@ -207,7 +230,8 @@ async def capture(
     base_url = base_url.rstrip("/")
     bar = _progress(len(requests), len(already)) if progress else None
     limit = asyncio.Semaphore(max(1, concurrency))
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as client:
         try:
             model = model or await _served_model(client, base_url)
         except httpx.HTTPError as error:

@@ -1,7 +1,7 @@
 """``vllm-k3``: capture raw Kimi-K3 outputs from a server, and replay them through the
 readers (ours, and vLLM's in-tree ones).
 
-    vllm-k3 capture --base-url URL --requests FILE.jsonl --out RAW.jsonl
+    vllm-k3 capture --base-url URL --requests FILE.jsonl --out RAW.jsonl [--api-key KEY]
     vllm-k3 replay [RAW.jsonl] [--against vllm] [--show N] [--report OUT.json]
 
 ``replay`` with no file replays the built-in corpus of recorded shapes.
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
+
+from vllm_k3_plugin.tools.capture import API_KEY_ENV
 
 DESCRIPTION = (
     "Capture what a Kimi-K3 server's model wrote (every marker kept), and replay "
@@ -32,16 +35,34 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     capture = commands.add_parser(
-        "capture", help="the model's raw K3 text for chat requests, from a server"
+        "capture",
+        help="the model's raw K3 text for chat requests, from a server",
+        description="Send each saved chat request to a running vLLM server and "
+        "write what its model generated, every K3 marker kept, one JSON line per "
+        "request. Run again to resume an interrupted capture.",
     )
     capture.add_argument("--base-url", required=True, help="e.g. http://localhost:8000")
     capture.add_argument(
-        "--requests", required=True, type=Path, help="JSONL of chat bodies"
+        "--requests",
+        required=True,
+        type=Path,
+        metavar="FILE.jsonl",
+        help="the requests to capture: one chat completions request body per line, "
+        "as a client sent it to /v1/chat/completions (messages, tools, sampling "
+        "options; an optional 'id' names the line). vLLM keeps no record of the "
+        "requests it served: save them from your clients or gateway",
     )
     capture.add_argument("--out", required=True, type=Path, help="JSONL to append to")
     capture.add_argument("--concurrency", type=int, default=8)
     capture.add_argument("--model", help="served model name (default: the server's)")
     capture.add_argument("--no-progress", action="store_true")
+    capture.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        metavar="KEY",
+        help="the key of a server started with --api-key, sent as 'Authorization: "
+        f"Bearer KEY' (default: {API_KEY_ENV} from the environment; unset: no key)",
+    )
 
     replay = commands.add_parser(
         "replay", help="read raw outputs through the readers and summarize"
@@ -85,6 +106,7 @@ def _capture(args: argparse.Namespace) -> int:
                 concurrency=args.concurrency,
                 model=args.model,
                 progress=not args.no_progress,
+                api_key=args.api_key,
             )
         )
     except CaptureError as error:
