@@ -2,12 +2,14 @@
 reasoning, content and a tool call, then the next turn with the tool's result.
 
     python examples/client_chat.py [--base-url http://localhost:8000] [--model NAME]
+        [--api-key KEY]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import openai
 
@@ -75,6 +77,12 @@ def main(argv=None) -> int:
     parser.add_argument("--base-url", default="http://localhost:8000")
     parser.add_argument("--model")
     parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+        help="the key of a server started with --api-key (default: OPENAI_API_KEY; "
+        "a server without one takes any)",
+    )
+    parser.add_argument(
         "--extra-body",
         type=json.loads,
         default={},
@@ -82,7 +90,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--next-extra-body", type=json.loads, default={})
     args = parser.parse_args(argv)
-    client = openai.OpenAI(base_url=args.base_url + "/v1", api_key="none")
+    client = openai.OpenAI(base_url=args.base_url + "/v1", api_key=args.api_key)
     model = args.model or client.models.list().data[0].id
 
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -3,12 +3,14 @@
 next turn with the ``tool_result``.
 
     python examples/client_messages.py [--base-url http://localhost:8000] [--model NAME]
+        [--api-key KEY]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import anthropic
 import openai
@@ -52,17 +54,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://localhost:8000")
     parser.add_argument("--model")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+        help="the key of a server started with --api-key (default: OPENAI_API_KEY; "
+        "a server without one takes any)",
+    )
     parser.add_argument("--extra-body", type=json.loads, default={})
     parser.add_argument("--next-extra-body", type=json.loads, default={})
     args = parser.parse_args(argv)
     model = (
         args.model
-        or openai.OpenAI(base_url=args.base_url + "/v1", api_key="none")
+        or openai.OpenAI(base_url=args.base_url + "/v1", api_key=args.api_key)
         .models.list()
         .data[0]
         .id
     )
-    client = anthropic.Anthropic(base_url=args.base_url, api_key="none")
+    # vLLM's --api-key checks the header "Authorization: Bearer KEY" only, on
+    # /v1/messages too; auth_token is what the anthropic SDK sends that way (api_key
+    # goes as X-Api-Key in its older versions).
+    client = anthropic.Anthropic(base_url=args.base_url, auth_token=args.api_key)
 
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     reply = stream_turn(client, model, messages, args.extra_body)

@@ -1,13 +1,14 @@
 """The Responses API against a Kimi-K3 server with the plugin: a streamed turn with a
 function call, then the next turn with its ``function_call_output``.
 
-    python examples/client_responses.py [--base-url URL] [--model NAME]
+    python examples/client_responses.py [--base-url URL] [--model NAME] [--api-key KEY]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import openai
 
@@ -58,10 +59,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://localhost:8000")
     parser.add_argument("--model")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+        help="the key of a server started with --api-key (default: OPENAI_API_KEY; "
+        "a server without one takes any)",
+    )
     parser.add_argument("--extra-body", type=json.loads, default={})
     parser.add_argument("--next-extra-body", type=json.loads, default={})
     args = parser.parse_args(argv)
-    client = openai.OpenAI(base_url=args.base_url + "/v1", api_key="none")
+    client = openai.OpenAI(base_url=args.base_url + "/v1", api_key=args.api_key)
     model = args.model or client.models.list().data[0].id
 
     items = [{"role": "user", "content": "What is the weather in Paris?"}]

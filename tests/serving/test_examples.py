@@ -1,4 +1,5 @@
-"""The example clients, run against the real ``vllm serve`` with forced outputs."""
+"""The example clients, run against the real ``vllm serve`` with forced outputs: a
+server started with ``--api-key``, given the key."""
 
 from __future__ import annotations
 
@@ -59,13 +60,16 @@ def _force(hf_tokenizer, text: str) -> str:
         ),
     ],
 )
-def test_example_client(k3_server, hf_tokenizer, script, expected):
+def test_example_client(keyed_server, hf_tokenizer, script, expected):
+    url, key = keyed_server
     run = subprocess.run(
         [
             sys.executable,
             str(EXAMPLES / script),
             "--base-url",
-            k3_server,
+            url,
+            "--api-key",
+            key,
             "--extra-body",
             _force(hf_tokenizer, CALL + vocab.MESSAGE_END),
             "--next-extra-body",
