@@ -116,13 +116,14 @@ def output_began() -> None:
         tally.began += 1
 
 
-def _labels_of(request: Any) -> tuple[str, str]:
+def labels_for(request_id: int, *, outputs: int) -> tuple[str, str]:
+    """The labels of an output of the request whose identity is ``request_id``
+    (``id(request)``, as ``serving`` stamped it), looked up when the output's
+    reading begins (``request_facts.read_request``)."""
     # Kept for the request's other outputs (``n``); with one, dropped now, so that
     # a later request at the same identity that was never labelled reads "other".
-    if (getattr(request, "n", None) or 1) > 1:
-        labels = _LABELS.get(id(request))
-    else:
-        labels = _LABELS.pop(id(request), None)
+    kept = outputs > 1
+    labels = _LABELS.get(request_id) if kept else _LABELS.pop(request_id, None)
     return labels or _SERVING.get() or ("other", "false")
 
 
@@ -229,19 +230,18 @@ def ending(
 
 def count_output(
     counts: OutputCounts,
-    request: Any,
+    labels: tuple[str, str],
     *,
     ended: str,
     markup_dropped: dict[str, int],
     decided_after: int | None,
 ) -> None:
-    """Count one finished output."""
+    """Count one finished output, under ``labels`` (``labels_for``)."""
     tally = _TALLY.get()
     if tally is not None:
         tally.ended += 1
     if not metrics_enabled():
         return
-    labels = _labels_of(request)
     metrics = _metrics()
     metrics.outputs.labels(*labels, ended).inc()
     for kind, number in markup_dropped.items():

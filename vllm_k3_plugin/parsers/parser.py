@@ -48,25 +48,28 @@ from vllm_k3_plugin.parsers.metrics import (
     output_began,
 )
 from vllm_k3_plugin.parsers.reasoning_parser import K3ReasoningParser
+from vllm_k3_plugin.parsers.request_facts import RequestFacts, read_request
 from vllm_k3_plugin.parsers.request_state import (
     model_stopped,
     start_channel,
-    stop_ids_for,
     thinking_requested,
 )
 from vllm_k3_plugin.parsers.serving_hooks import record_output
 from vllm_k3_plugin.parsers.tool_parser import (
     K3ToolParser,
     ToolCallDeltas,
-    declared_tool_names,
     function_calls,
-    history_call_count,
-    tag_grammar,
 )
 
 
 def _count(
-    reader, counts: OutputCounts, request: Any, stopped: bool, *, content, reasoning
+    reader,
+    counts: OutputCounts,
+    facts: RequestFacts,
+    stopped: bool,
+    *,
+    content,
+    reasoning,
 ) -> None:
     """``vllm_k3_*`` metrics for one finished output (``metrics.py``)."""
     reasoning_reader = (
@@ -74,7 +77,7 @@ def _count(
     )
     count_output(
         counts,
-        request,
+        facts.labels,
         ended=ending(
             stopped=stopped,
             calls=counts.calls,
@@ -87,19 +90,11 @@ def _count(
     )
 
 
-def _undeclared(request: Any, calls: list[FunctionCall] | None) -> int:
-    declared = declared_tool_names(request)
+def _undeclared(facts: RequestFacts, calls: list[FunctionCall] | None) -> int:
+    declared = facts.tool_names
     if declared is None or not calls:
         return 0
     return sum(call.name not in declared for call in calls)
-
-
-def _tools_wanted(request: Any) -> bool:
-    return getattr(request, "tool_choice", None) != "none"
-
-
-def _reasoning_wanted(request: Any) -> bool:
-    return getattr(request, "include_reasoning", True) is not False
 
 
 class _Stream:
@@ -110,6 +105,7 @@ class _Stream:
         "content_gate",
         "content_seen",
         "counts",
+        "facts",
         "last_id",
         "other_tools",
         "output_len",
@@ -119,7 +115,13 @@ class _Stream:
         "tool_text",
     )
 
-    def __init__(self, reader: OutputReader | ReasoningReader, prompt_len: int) -> None:
+    def __init__(
+        self,
+        facts: RequestFacts,
+        reader: OutputReader | ReasoningReader,
+        prompt_len: int,
+    ) -> None:
+        self.facts = facts
         self.reader = reader
         self.prompt_len = prompt_len
         self.output_len = 0
@@ -135,7 +137,13 @@ class _Stream:
 
 
 class K3Parser(DelegatingParser):
-    """Reasoning, content and tool calls of a Kimi-K3 output."""
+    """Reasoning, content and tool calls of a Kimi-K3 output.
+
+    Its methods take vLLM's ``request``; each output's reading reads it once, into
+    ``RequestFacts`` (``_read_request``: at the first delta, or in ``parse``), and
+    passes those down. Another configured tool parser gets the request itself,
+    through its own API.
+    """
 
     def __init__(
         self,
@@ -182,10 +190,14 @@ class K3Parser(DelegatingParser):
         """
         self._history_calls = count
 
-    def _first_call_number(self, request: Any) -> int:
-        if self._history_calls is None:
-            self._history_calls = history_call_count(request)
-        return self._history_calls
+    def _read_request(self, request: Any) -> RequestFacts:
+        """The facts of the output's request: read once an output."""
+        return read_request(
+            request,
+            eos_token_id=getattr(self.model_tokenizer, "eos_token_id", None),
+            max_model_len=self._max_model_len,
+            history_calls=self._history_calls,
+        )
 
     def _start(self, prompt_ids: Sequence[int] | None) -> Channel:
         return start_channel(prompt_ids, self.k3_reasoning.decode, self._thinking)
@@ -197,10 +209,13 @@ class K3Parser(DelegatingParser):
         return marked.atoms_for(known, self.k3_reasoning.atom_tokens)
 
     def _reader(
-        self, request: Any, prompt_ids: Sequence[int] | None, ids: Sequence[int] | None
+        self,
+        facts: RequestFacts,
+        prompt_ids: Sequence[int] | None,
+        ids: Sequence[int] | None,
     ) -> OutputReader | ReasoningReader:
         start, atoms = self._start(prompt_ids), self._atoms(ids)
-        grammar = tag_grammar(request)
+        grammar = facts.grammar
         if self._tool_parser is None or self._reads_tools:
             return OutputReader(
                 start,
@@ -211,18 +226,6 @@ class K3Parser(DelegatingParser):
             )
         return ReasoningReader(
             start=start, policy=self._policy, atoms=atoms, grammar=grammar
-        )
-
-    def _stopped(
-        self, request: Any, *, last_id: int | None, output_len: int, prompt_len: int
-    ) -> bool:
-        return model_stopped(
-            last_id=last_id,
-            output_len=output_len,
-            prompt_len=prompt_len,
-            request=request,
-            stop_ids=stop_ids_for(self.model_tokenizer, request),
-            max_model_len=self._max_model_len,
         )
 
     def count_reasoning_tokens(self, token_ids: Sequence[int]) -> int:
@@ -243,9 +246,10 @@ class K3Parser(DelegatingParser):
         # ``enable_auto_tools`` is not consulted: a tool parser exists only when the
         # server enabled auto tool choice, and streaming never gets the flag.
         ids = model_output_token_ids
-        reader = self._reader(request, self._prompt_ids, ids)
-        stopped = self._stopped(
-            request,
+        facts = self._read_request(request)
+        reader = self._reader(facts, self._prompt_ids, ids)
+        stopped = model_stopped(
+            facts,
             last_id=ids[-1] if len(ids) else None,
             output_len=len(ids),
             prompt_len=len(self._prompt_ids or ()),
@@ -255,36 +259,39 @@ class K3Parser(DelegatingParser):
         if isinstance(reader, OutputReader):
             reading = collect_output(events)
             reasoning, content = reading.reasoning, reading.content
-            tool_calls = self._whole_calls(reading, request)
+            tool_calls = self._whole_calls(reading, facts)
         else:
             reading = collect(events)
             reasoning, content = reading.reasoning, reading.content
-            tool_calls = self._other_tool_calls(reading.tool_markup, request)
+            tool_calls = self._other_tool_calls(reading.tool_markup, facts, request)
         record_output(calls_cut=self.calls_cut, stopped=stopped)
         counts = OutputCounts()
-        if _tools_wanted(request):  # calls read but not returned are not counted
+        if facts.tools_wanted:  # calls read but not returned are not counted
             counts.events(events)
-        counts.undeclared = _undeclared(request, tool_calls)
+        counts.undeclared = _undeclared(facts, tool_calls)
         gate = ContentGate()
         content = gate.pass_through(content) + gate.close(
             tool_calls_made=bool(tool_calls)
         )
-        _count(reader, counts, request, stopped, content=content, reasoning=reasoning)
-        if not _reasoning_wanted(request):
+        _count(reader, counts, facts, stopped, content=content, reasoning=reasoning)
+        if not facts.reasoning_wanted:
             reasoning = ""
         return reasoning or None, content or None, tool_calls
 
-    def _whole_calls(self, reading: Any, request: Any) -> list[FunctionCall] | None:
-        if not reading.calls or not _tools_wanted(request):
+    def _whole_calls(
+        self, reading: Any, facts: RequestFacts
+    ) -> list[FunctionCall] | None:
+        if not reading.calls or not facts.tools_wanted:
             return None
         self.calls_cut = not all(call.complete for call in reading.calls)
-        return function_calls(
-            reading.calls, reading.dropped, request, self._first_call_number(request)
-        )
+        return function_calls(reading.calls, reading.dropped, facts)
 
-    def _other_tool_calls(self, markup: str, request: Any) -> list[FunctionCall] | None:
-        """The tools channel read by another configured tool parser."""
-        if not markup or not _tools_wanted(request):
+    def _other_tool_calls(
+        self, markup: str, facts: RequestFacts, request: Any
+    ) -> list[FunctionCall] | None:
+        """The tools channel read by another configured tool parser (handed the
+        request: its API reads it)."""
+        if not markup or not facts.tools_wanted:
             return None
         info = self.extract_tool_calls(marked.unmarked(markup), request)
         if not info.tools_called:
@@ -312,8 +319,9 @@ class K3Parser(DelegatingParser):
             prompt_ids = prompt_token_ids or self._prompt_ids
             if prompt_token_ids is not None:
                 self._prompt_ids = prompt_token_ids
-            reader = self._reader(request, prompt_ids, None)
-            stream = self._stream = _Stream(reader, len(prompt_ids or ()))
+            facts = self._read_request(request)
+            reader = self._reader(facts, prompt_ids, None)
+            stream = self._stream = _Stream(facts, reader, len(prompt_ids or ()))
             output_began()
 
         events = (
@@ -325,15 +333,15 @@ class K3Parser(DelegatingParser):
             stream.output_len += len(delta_token_ids)
             stream.last_id = delta_token_ids[-1]
         if finished:
-            stopped = self._stopped(
-                request,
+            stopped = model_stopped(
+                stream.facts,
                 last_id=stream.last_id,
                 output_len=stream.output_len,
                 prompt_len=stream.prompt_len,
             )
             events += stream.reader.finish(stopped=stopped)
         if isinstance(stream.reader, OutputReader):
-            reasoning, content, tool_calls = self._read_events(stream, events, request)
+            reasoning, content, tool_calls = self._read_events(stream, events)
         else:
             reading = collect(events)
             reasoning, content = reading.reasoning, reading.content
@@ -350,7 +358,7 @@ class K3Parser(DelegatingParser):
             _count(
                 stream.reader,
                 stream.counts,
-                request,
+                stream.facts,
                 stopped,
                 content=stream.content_seen or content,
                 reasoning=stream.reasoning_seen or reasoning,
@@ -359,12 +367,12 @@ class K3Parser(DelegatingParser):
             stream.content_seen = True
         if reasoning:
             stream.reasoning_seen = True
-        if not _reasoning_wanted(request):
+        if not stream.facts.reasoning_wanted:
             reasoning = ""
         return delta_message(reasoning, content, tool_calls)
 
     def _read_events(
-        self, stream: _Stream, events: list[Any], request: Any
+        self, stream: _Stream, events: list[Any]
     ) -> tuple[str, str, list[Any]]:
         if len(events) == 1:
             # The usual streaming step: one piece of one kind.
@@ -376,10 +384,10 @@ class K3Parser(DelegatingParser):
                 return "", event.text, []
         reasoning, content, calls = split_events(events)
         tool_calls: list[Any] = []
-        if calls and _tools_wanted(request):
+        if calls and stream.facts.tools_wanted:
             stream.counts.events(calls)
             if stream.calls is None:
-                stream.calls = ToolCallDeltas(request, self._first_call_number(request))
+                stream.calls = ToolCallDeltas(stream.facts)
             tool_calls = stream.calls.deltas(calls)
             if any(type(event) is CallCut for event in calls):
                 self.calls_cut = True
@@ -388,7 +396,9 @@ class K3Parser(DelegatingParser):
     def _other_tool_deltas(
         self, stream: _Stream, markup: str, request: Any
     ) -> list[Any]:
-        if not markup or not _tools_wanted(request):
+        """The tools channel so far, to another configured tool parser (handed the
+        request: its API reads it)."""
+        if not markup or not stream.facts.tools_wanted:
             return []
         previous = stream.tool_text
         stream.tool_text = current = previous + marked.unmarked(markup)

@@ -1,5 +1,8 @@
 """What a request tells the reader: where the output starts, and how it ended.
 
+The thinking switch comes from the chat template kwargs the parser is built with;
+the rest from the request's facts (``request_facts.RequestFacts``), read once.
+
 vLLM hands parsers no finish reason. It keeps the stop token (EOS or a
 ``stop_token_ids`` entry) in the output token ids while dropping it from the text, so
 a last id in the stop set means the model stopped itself. A stop string leaves no such
@@ -13,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_k3_plugin.format import vocab
 from vllm_k3_plugin.format.channel_ids import Decode, reasoning_open_after
 from vllm_k3_plugin.format.reasoning import Channel
+from vllm_k3_plugin.parsers.request_facts import RequestFacts
 
 
 def thinking_requested(chat_template_kwargs: dict[str, Any] | None) -> bool:
@@ -38,39 +41,16 @@ def start_channel(
     return Channel.THINK if thinking else Channel.RESPONSE
 
 
-def stop_ids_for(tokenizer: Any, request: Any) -> frozenset[int]:
-    ids = set(vocab.MODEL_STOP_IDS)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    ids.update(getattr(request, "stop_token_ids", None) or ())
-    return frozenset(ids)
-
-
-def _token_budget(request: Any) -> int | None:
-    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        value = getattr(request, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 def model_stopped(
-    *,
-    last_id: int | None,
-    output_len: int,
-    prompt_len: int,
-    request: Any,
-    stop_ids: frozenset[int],
-    max_model_len: int | None,
+    facts: RequestFacts, *, last_id: int | None, output_len: int, prompt_len: int
 ) -> bool:
     """Whether the output ended by EOS, a stop token or a stop string."""
-    if last_id is not None and last_id in stop_ids:
+    if last_id is not None and last_id in facts.stop_ids:
         return True
-    stop_strings = getattr(request, "stop", None)
-    if not stop_strings:
+    if not facts.stop_strings:
         return False
-    budget = _token_budget(request)
+    budget = facts.budget
     if budget is not None and output_len >= budget:
         return False
+    max_model_len = facts.max_model_len
     return not (max_model_len is not None and prompt_len + output_len >= max_model_len)

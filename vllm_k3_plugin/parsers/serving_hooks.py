@@ -193,6 +193,13 @@ def _hook_endpoints() -> None:
 
 
 def _serving_as(endpoint: str, parsed: bool) -> Callable[[Any], Any]:
+    """The endpoint's handler, labelling the request it serves for the metrics.
+
+    A request hook: it reads the request (``stream``, ``background``) where vLLM
+    hands the endpoint it, before any output is read; the parsers read the request
+    once an output, into ``request_facts.RequestFacts``, which takes these labels.
+    """
+
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         async def create(self, request, *args, **kwargs):

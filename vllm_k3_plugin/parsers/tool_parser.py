@@ -53,8 +53,8 @@ from vllm_k3_plugin.format.reasoning import (
 from vllm_k3_plugin.format.tools import (
     ToolCall as ReadCall,
 )
-from vllm_k3_plugin.format.xtml import TagGrammar, grammar_for
 from vllm_k3_plugin.parsers.deltas import delta_message
+from vllm_k3_plugin.parsers.request_facts import RequestFacts, read_request
 
 logger = init_logger("vllm.k3_plugin.tool_parser")
 
@@ -63,62 +63,13 @@ def tool_call_id(name: str, number: int) -> str:
     return f"functions.{name}:{number}"
 
 
-def history_call_count(request: Any) -> int:
-    """Calls already made in the conversation the request carries."""
-    try:
-        from vllm.parser.utils import count_history_tool_calls
-    except ImportError:  # a vLLM without the helper: number from 0
-        return 0
-    try:
-        return count_history_tool_calls(request)
-    except (AttributeError, TypeError):
-        return 0
-
-
-def _declared(request: Any) -> list[tuple[str, Any]]:
-    """``(name, parameters)`` of each tool the request declares with a name (chat
-    completions' ``function`` objects, or Responses' flat tools)."""
-    declared = []
-    for tool in getattr(request, "tools", None) or ():
-        function = getattr(tool, "function", None)
-        name = getattr(function, "name", None) or getattr(tool, "name", None)
-        if isinstance(name, str):
-            parameters = getattr(function, "parameters", None)
-            if parameters is None:
-                parameters = getattr(tool, "parameters", None)
-            declared.append((name, parameters))
-    return declared
-
-
-def declared_tool_names(request: Any) -> frozenset[str] | None:
-    """Names of the tools the request declares; ``None`` if it declares none."""
-    if not getattr(request, "tools", None):
-        return None
-    return frozenset(name for name, _ in _declared(request))
-
-
-def tag_grammar(request: Any) -> TagGrammar:
-    """What a tag may hold for ``request``: the generic grammar, widened by a
-    declared tool name or argument key it refuses."""
-    names: list[str] = []
-    keys: list[str] = []
-    for name, parameters in _declared(request):
-        names.append(name)
-        properties = (
-            parameters.get("properties") if isinstance(parameters, dict) else None
-        )
-        if isinstance(properties, dict):
-            keys += (key for key in properties if isinstance(key, str))
-    return grammar_for(names, keys)
-
-
 class UndeclaredTools:
     """Warns, once per request, of a call to a tool the request does not declare."""
 
     __slots__ = ("_declared", "_warned")
 
-    def __init__(self, request: Any) -> None:
-        self._declared = declared_tool_names(request)
+    def __init__(self, facts: RequestFacts) -> None:
+        self._declared = facts.tool_names
         self._warned = False
 
     def check(self, name: str) -> bool:
@@ -142,10 +93,10 @@ class ToolCallDeltas:
 
     __slots__ = ("_first_number", "_undeclared", "calls_made", "undeclared")
 
-    def __init__(self, request: Any, first_number: int) -> None:
-        """``first_number``: the conversation's calls before this output."""
-        self._first_number = first_number
-        self._undeclared = UndeclaredTools(request)
+    def __init__(self, facts: RequestFacts) -> None:
+        # Ids number on from the conversation's calls before this output.
+        self._first_number = facts.history_calls
+        self._undeclared = UndeclaredTools(facts)
         self.calls_made = False
         """Whether a call was sent (closed or cut: the whole read lists both)."""
         self.undeclared = 0
@@ -205,13 +156,15 @@ def log_cut(index: int) -> None:
 
 
 def function_calls(
-    calls: list[ReadCall], dropped: list[Dropped], request: Any, first_number: int
+    calls: list[ReadCall], dropped: list[Dropped], facts: RequestFacts
 ) -> list[FunctionCall]:
-    """The calls of a whole output, with the ids the stream gives (``first_number``
-    as ``ToolCallDeltas`` takes it); a cut call is among them, as it streamed."""
+    """The calls of a whole output, with the ids the stream gives (numbered on from
+    ``facts.history_calls``, as ``ToolCallDeltas`` numbers them); a cut call is
+    among them, as it streamed."""
+    first_number = facts.history_calls
     for event in dropped:
         log_dropped(event)
-    undeclared = UndeclaredTools(request)
+    undeclared = UndeclaredTools(facts)
     for call in calls:
         undeclared.check(call.name)
         if not call.complete:
@@ -247,14 +200,13 @@ class K3ToolParser(KimiK3ToolParser):
         # Read as the bare streaming API reads (it never learns how the output
         # ended, nor has the whole read its ids): text alone, a think channel's text
         # once, as it would stream live.
-        reader = OutputReader(start=Channel.RESPONSE, grammar=tag_grammar(request))
+        facts = read_request(request, counted=False)
+        reader = OutputReader(start=Channel.RESPONSE, grammar=facts.grammar)
         reading = collect_output(
             reader.feed(model_output) + reader.finish(stopped=False)
         )
         content = (reading.reasoning + reading.content) or None
-        calls = function_calls(
-            reading.calls, reading.dropped, request, history_call_count(request)
-        )
+        calls = function_calls(reading.calls, reading.dropped, facts)
         return ExtractedToolCallInformation(
             tools_called=bool(calls),
             tool_calls=[
@@ -280,10 +232,11 @@ class K3ToolParser(KimiK3ToolParser):
         # The bare API never says the output ended: a marker cut off at the very end
         # stays held (it is never content either way).
         if self._bare_reader is None:
+            facts = read_request(request, counted=False)
             self._bare_reader = OutputReader(
-                start=Channel.RESPONSE, grammar=tag_grammar(request)
+                start=Channel.RESPONSE, grammar=facts.grammar
             )
-            self._bare_calls = ToolCallDeltas(request, history_call_count(request))
+            self._bare_calls = ToolCallDeltas(facts)
         events = self._bare_reader.feed(delta_text)
         content = "".join(
             event.text for event in events if type(event) in (Reasoning, Content)
