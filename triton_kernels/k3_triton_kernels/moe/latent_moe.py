@@ -1,18 +1,17 @@
 """Latent fused MoE for Kimi-K3 (FP8 activations, the checkpoint's MXFP4 expert
-weights): the Triton kernels and their launcher; the PyTorch reference is
-``naive.py``.
+weights): the GEMM kernels and the launcher; the PyTorch reference is ``naive.py``.
 
 On the latent ``z`` ``[T, L]`` (K3: ``L`` = 3584) with routing ``ids`` / ``weights``
 ``[T, top_k]``:
 
-1. one launch (``prepare_rows``): the (token, slot) pairs are grouped by expert and
-   padded per ``BLOCK_M`` block, and beside the grouping program, one a token, the
-   activations are quantized to FP8 (``scale = max|z_t| / fp8_max``) and the
-   output rows zeroed (past 1,024 pairs, and on AMD, a second launch places the
+1. one launch (``grouping.prepare_rows``): the (token, slot) pairs are grouped by
+   expert and padded per ``BLOCK_M`` block, and beside the grouping program, one a
+   token, the activations are quantized to FP8 (``scale = max|z_t| / fp8_max``) and
+   the output rows zeroed (past 1,024 pairs, and on AMD, a second launch places the
    pairs);
 2. the gate/up GEMM, per block, against ``w13`` (``[E, 2I, L]`` values; one dot over
    gate and up rows interleaved), SiTU-GLU -> ``h`` ``[pairs, I]``;
-3. ``h`` is requantized to FP8 per row;
+3. ``h`` is requantized to FP8 per row (``fp8_rows.quantize_rows``);
 4. the down GEMM, per block, against ``w2`` (``[E, L, I]`` values), times the
    routing weight, added into the token's output row.
 
@@ -46,25 +45,18 @@ H200 (``kernels_h200.md``).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from k3_triton_kernels import runtime
+from k3_triton_kernels.moe.fp8_rows import quantize_rows
+from k3_triton_kernels.moe.grouping import prepare_rows
 from k3_triton_kernels.moe.naive import (
     ExpertWeights,
     activation_dtype,
-    group_capacity,
     latent_moe_reference,
 )
 from k3_triton_kernels.mxfp4 import MXFP4_BLOCK
-from k3_triton_kernels.runtime import (
-    E4M3_EXPONENT_BIAS,
-    E4M3_NAN_BYTE,
-    FP8_DTYPES,
-    log_path,
-    triton_blocker,
-)
+from k3_triton_kernels.runtime import log_path, triton_blocker
 
 # -- Triton kernels -------------------------------------------------------------------
 
@@ -73,17 +65,6 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-
-# Where each e4m3 flavour's subnormals end (2^(1 - bias)), their steps per unit
-# (2^(bias + 2): three mantissa bits below the smallest normal), and its NaN byte.
-E4M3_RANGES = {
-    dtype: {
-        "MIN_NORMAL": 2.0 ** (1 - bias),
-        "SUBNORMAL_STEPS": 2.0 ** (bias + 2),
-        "NAN_BYTE": E4M3_NAN_BYTE[dtype],
-    }
-    for dtype, bias in E4M3_EXPONENT_BIAS.items()
-}
 
 if triton is not None:
 
@@ -119,235 +100,6 @@ if triton is not None:
             other=127,
         )
         return values, scale
-
-    @triton.jit
-    def _plan_groups(
-        ids_ptr,
-        rows_ptr,
-        block_expert_ptr,
-        cursor_ptr,
-        used_rows_ptr,
-        pairs,
-        capacity,
-        num_experts,
-        BLOCK_M: tl.constexpr,
-        BINS: tl.constexpr,
-        CHUNK: tl.constexpr,
-        BLOCKS_A_STEP: tl.constexpr,
-    ):
-        """In one program: count the pairs of each expert, pad each group to
-        ``BLOCK_M`` rows, and write where each group starts (``cursor``), the rows
-        used, every block's expert, and -1 in every row."""
-        counts = tl.zeros((BINS,), tl.int32)
-        for p0 in range(0, pairs, CHUNK):
-            p = p0 + tl.arange(0, CHUNK)
-            expert = tl.load(ids_ptr + p, mask=p < pairs, other=num_experts)
-            # Out-of-range ids (checked before any narrowing) and the tail count in
-            # a spare bin: never placed.
-            in_range = (expert >= 0) & (expert < num_experts)
-            expert = tl.where(in_range, expert, BINS - 1).to(tl.int32)
-            counts += tl.histogram(expert, BINS)
-        bins = tl.arange(0, BINS)
-        counts = tl.where(bins < num_experts, counts, 0)
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.cumsum(padded, 0)
-        tl.store(cursor_ptr + bins, ends - padded)
-        tl.store(used_rows_ptr, tl.sum(padded, 0))
-        for r0 in range(0, capacity, CHUNK):
-            r = r0 + tl.arange(0, CHUNK)
-            tl.store(rows_ptr + r, tl.full((CHUNK,), -1, tl.int32), mask=r < capacity)
-        blocks = capacity // BLOCK_M
-        for b0 in range(0, blocks, BLOCKS_A_STEP):
-            b = b0 + tl.arange(0, BLOCKS_A_STEP)
-            # The block's expert: how many groups end at or before its first row.
-            ended = (ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32)
-            expert = tl.minimum(tl.sum(ended, axis=1), num_experts - 1)
-            tl.store(block_expert_ptr + b, expert, mask=b < blocks)
-
-    @triton.jit
-    def _place_chunk(ids_ptr, rows_ptr, cursor_ptr, p, pairs, num_experts):
-        """Pairs ``p`` each take the next row of their expert's group (in no set
-        order within the group: each row's GEMM result does not depend on its
-        place)."""
-        expert = tl.load(ids_ptr + p, mask=p < pairs, other=0)
-        placed = (p < pairs) & (expert >= 0) & (expert < num_experts)
-        expert = tl.where(placed, expert, 0).to(tl.int32)
-        row = tl.atomic_add(cursor_ptr + expert, 1, mask=placed)
-        tl.store(rows_ptr + row, p, mask=placed)
-
-    @triton.jit
-    def _place_pairs(
-        ids_ptr, rows_ptr, cursor_ptr, pairs, num_experts, CHUNK: tl.constexpr
-    ):
-        p = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-        _place_chunk(ids_ptr, rows_ptr, cursor_ptr, p, pairs, num_experts)
-
-    @triton.jit
-    def _round_to_e4m3(x, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEPS: tl.constexpr):
-        """``x`` (fp32, within the format's range) rounded to the nearest e4m3 value,
-        ties to even, as fp32 (so the cast that follows is exact). Exact integer and
-        power-of-two arithmetic: the interpreter's own fp32 -> fp8 cast loses the
-        carry into the next binade (124.3 becomes 64). ``MIN_NORMAL``: the smallest
-        normal value; ``SUBNORMAL_STEPS``: subnormal steps per unit."""
-        magnitude = tl.abs(x)
-        bits = magnitude.to(tl.uint32, bitcast=True)
-        # Normal: keep 3 of fp32's 23 mantissa bits.
-        normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-        normal = normal.to(tl.float32, bitcast=True)
-        steps = magnitude * SUBNORMAL_STEPS  # exact: a power of two, below 2^4
-        whole = steps.to(tl.int32)
-        fraction = steps - whole.to(tl.float32)
-        up = (fraction > 0.5) | ((fraction == 0.5) & ((whole & 1) == 1))
-        subnormal = (whole + up.to(tl.int32)).to(tl.float32) * (1.0 / SUBNORMAL_STEPS)
-        rounded = tl.where(magnitude >= MIN_NORMAL, normal, subnormal)
-        rounded = tl.where(x < 0, -rounded, rounded)
-        return tl.where(x != x, x, rounded)  # NaN stays NaN
-
-    @triton.jit
-    def _max_with_nan(a, b):
-        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @triton.jit
-    def _quantize_row(
-        x_row,
-        out_row,
-        scale_at,
-        cols,
-        fp8_max,
-        MIN_NORMAL: tl.constexpr,
-        SUBNORMAL_STEPS: tl.constexpr,
-        NAN_BYTE: tl.constexpr,
-        BLOCK: tl.constexpr,
-        ONE_PASS: tl.constexpr,
-    ):
-        """``quantize_per_row`` of the row at ``x_row`` into ``out_row`` and
-        ``scale_at``: ``scale = max(max|x|, 1e-12) / fp8_max``, ``x / scale``
-        clamped and rounded to FP8 (IEEE division, as the reference). ``ONE_PASS``:
-        the row fits one ``BLOCK``, read once."""
-        # NaN propagates as in the reference (a NaN row quantizes to NaN).
-        peak = tl.zeros((BLOCK,), tl.float32)
-        x = tl.zeros((BLOCK,), tl.float32)
-        for c0 in range(0, cols, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            x = tl.load(x_row + c, mask=c < cols, other=0.0).to(tl.float32)
-            peak = tl.maximum(peak, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-        peak = tl.reduce(peak, 0, _max_with_nan)
-        scale = tl.math.div_rn(
-            tl.maximum(peak, 1e-12, propagate_nan=tl.PropagateNan.ALL), fp8_max
-        )
-        for c0 in range(0, cols, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            if not ONE_PASS:
-                x = tl.load(x_row + c, mask=c < cols, other=0.0).to(tl.float32)
-            q = tl.math.div_rn(x, scale)
-            q = tl.maximum(q, -fp8_max, propagate_nan=tl.PropagateNan.ALL)
-            q = tl.minimum(q, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-            q = _round_to_e4m3(q, MIN_NORMAL, SUBNORMAL_STEPS)
-            if NAN_BYTE == 0x80:
-                # float8_e4m3fnuz has no negative zero: that byte is its NaN. A
-                # negative value that rounds to zero is stored as +0, not left to
-                # the cast (Triton 3.8's interpreter casts -0.0 to the NaN byte).
-                q = tl.where(q == 0.0, 0.0, q)
-            # The cast is exact (q is an e4m3 value); NaN gets the format's NaN
-            # byte explicitly (the interpreter's cast turns it into a number).
-            bits = q.to(out_row.dtype.element_ty).to(tl.uint8, bitcast=True)
-            bits = tl.where(q != q, NAN_BYTE, bits)
-            tl.store(out_row.to(tl.pointer_type(tl.uint8)) + c, bits, mask=c < cols)
-        tl.store(scale_at, scale)
-
-    @triton.jit
-    def _quantize_rows(
-        x_ptr,
-        out_ptr,
-        scale_ptr,
-        rows_ptr,
-        used_rows_ptr,
-        cols,
-        stride_x,
-        stride_out,
-        fp8_max,
-        SKIP_UNUSED: tl.constexpr,
-        MIN_NORMAL: tl.constexpr,
-        SUBNORMAL_STEPS: tl.constexpr,
-        NAN_BYTE: tl.constexpr,
-        BLOCK: tl.constexpr,
-        ONE_PASS: tl.constexpr,
-    ):
-        """``_quantize_row`` of each row, a program a row. ``SKIP_UNUSED``: a
-        padding row (``rows`` -1, or past ``used_rows``) is left as it is; the down
-        GEMM masks it."""
-        row = tl.program_id(0)
-        if SKIP_UNUSED:
-            if row >= tl.load(used_rows_ptr):
-                return
-            if tl.load(rows_ptr + row) < 0:
-                return
-        _quantize_row(
-            x_ptr + row.to(tl.int64) * stride_x,
-            out_ptr + row.to(tl.int64) * stride_out,
-            scale_ptr + row, cols, fp8_max,
-            MIN_NORMAL, SUBNORMAL_STEPS, NAN_BYTE, BLOCK, ONE_PASS,
-        )  # fmt: skip
-
-    @triton.jit
-    def _group_and_quantize(
-        ids_ptr,
-        rows_ptr,
-        block_expert_ptr,
-        cursor_ptr,
-        used_rows_ptr,
-        pairs,
-        capacity,
-        num_experts,
-        z_ptr,
-        z_q_ptr,
-        z_scale_ptr,
-        out_ptr,
-        cols,
-        fp8_max,
-        BLOCK_M: tl.constexpr,
-        BINS: tl.constexpr,
-        CHUNK: tl.constexpr,
-        BLOCKS_A_STEP: tl.constexpr,
-        PLACE: tl.constexpr,
-        QUANTIZE: tl.constexpr,
-        MIN_NORMAL: tl.constexpr,
-        SUBNORMAL_STEPS: tl.constexpr,
-        NAN_BYTE: tl.constexpr,
-        BLOCK: tl.constexpr,
-        ONE_PASS: tl.constexpr,
-    ):
-        """What the GEMMs need, in one launch. Program 0 groups the pairs by
-        expert (``_plan_groups``), and with ``PLACE`` places them too (else
-        ``_place_pairs`` follows); program ``1 + t`` quantizes token ``t``'s
-        latent to FP8 and zeroes its output row, which the down GEMM adds into
-        (``z``, its FP8 copy and the output: contiguous rows of ``cols``)."""
-        program = tl.program_id(0)
-        if program == 0:
-            _plan_groups(
-                ids_ptr, rows_ptr, block_expert_ptr, cursor_ptr, used_rows_ptr,
-                pairs, capacity, num_experts, BLOCK_M, BINS, CHUNK, BLOCKS_A_STEP,
-            )  # fmt: skip
-            if PLACE:
-                # The rows' -1 and the cursor, stored by any of the program's
-                # threads, seen by all before the placing: on NVIDIA the
-                # barrier (bar.sync) orders global memory too; on AMD it orders
-                # only shared memory, and the launcher does not place here.
-                tl.debug_barrier()
-                for p0 in range(0, pairs, CHUNK):
-                    p = p0 + tl.arange(0, CHUNK)
-                    _place_chunk(ids_ptr, rows_ptr, cursor_ptr, p, pairs, num_experts)
-        elif QUANTIZE:  # (without a latent, no such program; nor its code)
-            token = (program - 1).to(tl.int64)
-            _quantize_row(
-                z_ptr + token * cols, z_q_ptr + token * cols,
-                z_scale_ptr + token, cols, fp8_max,
-                MIN_NORMAL, SUBNORMAL_STEPS, NAN_BYTE, BLOCK, ONE_PASS,
-            )  # fmt: skip
-            out_row = out_ptr + token * cols
-            for c0 in range(0, cols, BLOCK):
-                c = c0 + tl.arange(0, BLOCK)
-                tl.store(out_row + c, tl.zeros((BLOCK,), tl.float32), mask=c < cols)
 
     @triton.jit
     def _accumulate(acc, x, w, scale, SWAP_AB: tl.constexpr, X_FORMAT: tl.constexpr):
@@ -520,114 +272,12 @@ if triton is not None:
         )
 
 
-# Pairs the grouping program places itself (one chunk); past that a launch of
-# ``_place_pairs`` places them, a program a chunk.
-GROUPING_CHUNK = 1024
-# Rows up to this wide are quantized from one read (the whole row in registers).
-ONE_PASS_COLS = 8192
-
-
-def _row_blocking(cols: int) -> dict:
-    block = triton.next_power_of_2(max(1, cols))
-    if block <= ONE_PASS_COLS:
-        return {"BLOCK": block, "ONE_PASS": True}
-    return {"BLOCK": 1024, "ONE_PASS": False}
-
-
-class Prepared(NamedTuple):
-    """``prepare_rows``' results: the groups (``sort_by_expert``'s ``rows``,
-    ``block_expert`` and ``used_rows``, int32, the pairs in no set order within an
-    expert's group), the FP8 latent and its scales, and the zeroed output."""
-
-    rows: torch.Tensor
-    block_expert: torch.Tensor
-    used_rows: torch.Tensor
-    z_q: torch.Tensor | None
-    z_scale: torch.Tensor | None
-    out: torch.Tensor | None
-
-
-def prepare_rows(
-    ids: torch.Tensor,
-    num_experts: int,
-    block_m: int,
-    z: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
-) -> Prepared:
-    """The pairs grouped by expert and, with ``z``, its rows quantized to
-    ``dtype`` (an FP8 dtype) and a zeroed fp32 output of its shape: one launch
-    (two past ``GROUPING_CHUNK`` pairs, and on AMD), nothing read back. A pair
-    routed outside ``[0, num_experts)`` (another rank's expert) is not placed."""
-    if z is not None and dtype not in FP8_DTYPES:
-        raise ValueError(f"the latent's FP8 dtype: one of {FP8_DTYPES}, not {dtype}")
-    flat = ids.reshape(-1).contiguous()
-    pairs = flat.numel()
-    capacity = group_capacity(pairs, num_experts, block_m)
-    device = ids.device
-    rows = torch.empty(capacity, dtype=torch.int32, device=device)
-    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    bins = triton.next_power_of_2(num_experts + 1)
-    cursor = torch.empty(bins, dtype=torch.int32, device=device)
-    used_rows = torch.empty(1, dtype=torch.int32, device=device)
-    # Without a latent: no quantizing program, and stand-ins for its arguments.
-    tokens, cols, fp8_max, z_q, z_scale, out = 0, 0, 1.0, None, None, None
-    quantizing = {"MIN_NORMAL": 1.0, "SUBNORMAL_STEPS": 1.0, "NAN_BYTE": 0}
-    if z is not None:
-        z = z.contiguous()
-        tokens, cols = z.shape
-        z_q = torch.empty(tokens, cols, dtype=dtype, device=device)
-        z_scale = torch.empty(tokens, dtype=torch.float32, device=device)
-        out = torch.empty(tokens, cols, dtype=torch.float32, device=device)
-        fp8_max = float(torch.finfo(dtype).max)
-        quantizing = E4M3_RANGES[dtype]
-    # On AMD a barrier orders shared memory only: the placing, which must see
-    # the grouping program's stores, runs as a launch of its own there.
-    place = pairs <= GROUPING_CHUNK and not runtime.on_rocm()
-    latent_args = [used_rows if t is None else t for t in (z, z_q, z_scale, out)]
-    _group_and_quantize[(1 + tokens,)](
-        flat, rows, block_expert, cursor, used_rows, pairs, capacity, num_experts,
-        *latent_args, cols, fp8_max,
-        BLOCK_M=block_m, BINS=bins, CHUNK=GROUPING_CHUNK,
-        BLOCKS_A_STEP=max(1, min(64, 8192 // bins)), PLACE=place,
-        QUANTIZE=z is not None,
-        **quantizing, **_row_blocking(cols),
-    )  # fmt: skip
-    if pairs and not place:
-        _place_pairs[(triton.cdiv(pairs, GROUPING_CHUNK),)](
-            flat, rows, cursor, pairs, num_experts, CHUNK=GROUPING_CHUNK
-        )
-    return Prepared(rows, block_expert, used_rows, z_q, z_scale, out)
-
-
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int):
-    """``sort_by_expert`` in Triton (``prepare_rows`` without a latent): the same
-    ``(rows, block_expert, used_rows)`` except the order of the pairs within an
-    expert's group (which the GEMMs do not depend on); ``rows`` is int32."""
+    """``sort_by_expert`` in Triton (``grouping.prepare_rows`` without a latent):
+    the same ``(rows, block_expert, used_rows)`` except the order of the pairs
+    within an expert's group (which the GEMMs do not depend on); ``rows`` is
+    int32."""
     return prepare_rows(ids, num_experts, block_m)[:3]
-
-
-def quantize_rows(
-    x: torch.Tensor,
-    dtype: torch.dtype,
-    *,
-    rows: torch.Tensor | None = None,
-    used_rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_per_row`` of a 2-D ``x`` in one Triton pass. With ``rows`` and
-    ``used_rows`` (``sort_by_expert``'s), padding rows are skipped: their values
-    and scales are left unset."""
-    count, cols = x.shape
-    values = torch.empty(count, cols, dtype=dtype, device=x.device)
-    scale = torch.empty(count, dtype=torch.float32, device=x.device)
-    if count == 0:
-        return values, scale
-    skip = rows is not None
-    _quantize_rows[(count,)](
-        x, values, scale, rows if skip else scale, used_rows if skip else scale,
-        cols, x.stride(0), values.stride(0), float(torch.finfo(dtype).max),
-        SKIP_UNUSED=skip, **_row_blocking(cols), **E4M3_RANGES[dtype],
-    )  # fmt: skip
-    return values, scale
 
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the first: 2^31 - 1)
