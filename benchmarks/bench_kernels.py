@@ -22,6 +22,9 @@ roofline is what a fused mix kernel could win).
 Bytes are what the job must read and write at least (the FP8 cache rows of every
 sequence; each used expert's weights once, plus activations); FLOPs are the GEMM
 multiply-adds counted as two.
+
+How a call is timed is ``kernel_timing.py``; the shapes and inputs are
+``kernel_cases.py``; vLLM's kernels on them, ``vllm_kernel_runs.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,23 @@ import json
 import math
 import os
 import sys
-import time
+
+from kernel_cases import (
+    expert_weights,
+    kda_cases,
+    kda_prefill_cases,
+    mix_cases,
+    mla_cases,
+    moe_cases,
+    routed_tokens,
+)
+from kernel_timing import UNCAPTURED, timed, wall_timed
+from vllm_kernel_runs import (
+    vllm_chunk_kda,
+    vllm_kda_decode,
+    vllm_mla,
+    vllm_moe,
+)
 
 # Per block, what the model class's ``auto`` setting runs on a deployment and what
 # this script can set beside ours on a GPU machine without vLLM (printed first).
@@ -60,200 +79,6 @@ def roofline(device_name: str) -> tuple[float, float] | None:
         if key.lower() in device_name.lower().replace(" ", ""):
             return value
     return None
-
-
-GRAPH_CALLS = 10
-# Why each capture since the last row was printed failed: that row's ratio may then
-# set an uncaptured time (launches included) against a captured one, and says so.
-UNCAPTURED: list[str] = []
-
-
-def timed(run, *, warmup: int, repeats: int, cuda: bool) -> float:
-    """Median seconds of ``run()`` on the device, without the cost of launching it:
-    on a GPU, replays of a CUDA graph of ``GRAPH_CALLS`` calls (the memory a call
-    frees is reused by the next inside the graph), each replay timed by events; a
-    call that cannot be captured (a host read) runs ``GRAPH_CALLS`` times back to
-    back between events instead, and the reason joins ``UNCAPTURED``. On the CPU,
-    wall time of single calls."""
-    import torch
-
-    for _ in range(max(1, warmup)):  # at least one: no compile inside a capture
-        run()
-    if not cuda:
-        return wall_timed(run, warmup=0, repeats=repeats, cuda=False)
-    torch.cuda.synchronize()
-    replay = _captured(run)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(max(1, repeats // 2)):
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / GRAPH_CALLS)
-    samples.sort()
-    return samples[len(samples) // 2]
-
-
-def _captured(run):
-    """A callable that makes ``GRAPH_CALLS`` calls of ``run``: a graph's replay, or
-    the calls themselves when ``run`` cannot be captured."""
-    import torch
-
-    def calls():
-        for _ in range(GRAPH_CALLS):
-            run()
-
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            calls()
-    except Exception as error:  # a host read in the call: time it uncaptured
-        torch.cuda.synchronize()
-        UNCAPTURED.append(f"{type(error).__name__}: {error}"[:100])
-        return calls
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    return graph.replay
-
-
-def graph_microseconds(run, cuda: bool = True) -> float:
-    """``run``'s device time on a GPU in microseconds, as the sweeps and the
-    comparison of options take it: CUDA-graph replays, 2 warm-up calls, 10 timed.
-    Off a GPU (the scripts' ``--smoke`` runs on the interpreter), the wall time of
-    one call after one to compile: the plumbing runs, the figure means nothing."""
-    if not cuda:
-        return 1e6 * timed(run, warmup=1, repeats=1, cuda=False)
-    return 1e6 * timed(run, warmup=2, repeats=10, cuda=True)
-
-
-def script_device(doc: str, argv=None):
-    """The device a GPU script runs on, from its command line: the GPU, or with
-    ``--smoke`` the CPU, the kernels on the Triton interpreter (set here, before
-    the kernels' modules import Triton)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument(
-        "--smoke", action="store_true", help="tiny shapes on the CPU interpreter"
-    )
-    smoke = parser.parse_args(argv).smoke
-    if smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import torch
-
-    return torch.device("cpu" if smoke else "cuda")
-
-
-def kernel_microseconds(run, calls: int = 5) -> dict[str, float]:
-    """Device microseconds a call of ``run`` spends in each GPU kernel, by name, as
-    the PyTorch profiler records them over ``calls`` eager calls (after one to
-    compile), longest first: where a launcher's time goes."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    synchronize = torch.cuda.synchronize if cuda else lambda: None
-    # Off a GPU (``--smoke``) the profiler records the CPU, where the interpreter's
-    # launches are no kernels: the result is empty, the code path the same.
-    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-    run()
-    synchronize()
-    with profile(activities=[activity]) as recorded:
-        for _ in range(calls):
-            run()
-        synchronize()
-    totals: dict[str, float] = {}
-    for event in recorded.key_averages():
-        device_us = getattr(event, "device_time_total", None)
-        if device_us is None:  # older PyTorch
-            device_us = event.cuda_time_total
-        # Kernels only: an operator's device time is its kernels' again.
-        if device_us > 0 and event.count > 0 and not event.key.startswith("aten::"):
-            totals[event.key] = totals.get(event.key, 0.0) + device_us / calls
-    return dict(sorted(totals.items(), key=lambda item: -item[1]))
-
-
-def wall_timed(run, *, warmup: int, repeats: int, cuda: bool) -> float:
-    """Median wall seconds of single calls, the launch included (what an eager
-    scheduler step pays)."""
-    import torch
-
-    for _ in range(warmup):
-        run()
-    samples = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        if cuda:
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    samples.sort()
-    return samples[len(samples) // 2]
-
-
-def mla_cases(smoke: bool):
-    if smoke:
-        return [(2, 64, 16)]
-    return [(b, ctx, 16) for b in (1, 32, 128) for ctx in (4096, 32768, 131072)]
-
-
-# K3's routed experts on one device (896 over EP8): experts, top-k, latent, inner.
-K3_MOE = (112, 16, 3584, 3072)
-
-
-def moe_cases(smoke: bool):
-    if smoke:
-        return [(4, 8, 2, 64, 32)]
-    # tokens, experts, top-k, latent, inner
-    return [(t, *K3_MOE) for t in (1, 16, 256, 4096)]
-
-
-def expert_weights(experts: int, latent: int, inner: int, device):
-    """Random fp32 ``(w13 [E, 2I, L], w2 [E, L, I])``, each row of unit scale over
-    its inputs, for the MXFP4 experts (and vLLM's FP8 ones) to be built from."""
-    import torch
-
-    w13 = torch.randn(experts, 2 * inner, latent, device=device) / latent**0.5
-    w2 = torch.randn(experts, latent, inner, device=device) / inner**0.5
-    return w13, w2
-
-
-def routed_tokens(tokens: int, experts: int, top_k: int, latent: int, device):
-    """Random ``(z [T, L], ids, weights)``: ``tokens`` latents routed top-k by the
-    model's router over random logits."""
-    import torch
-
-    from vllm_k3_plugin.reference.reference import route
-
-    z = torch.randn(tokens, latent, device=device)
-    logits = torch.randn(tokens, experts, device=device)
-    weights, ids = route(logits, torch.zeros(experts, device=device), top_k)
-    return z, ids, weights
-
-
-def kda_cases(smoke: bool):
-    if smoke:
-        return [(2, 2, 32)]
-    # sequences, heads per device (96 over TP8), head dim
-    return [(b, 12, 128) for b in (1, 32, 256)]
-
-
-def kda_prefill_cases(smoke: bool):
-    if smoke:
-        return [(20, 2, 16)]
-    # prompt tokens in one scheduler step, heads per device (96 over TP8), head dim
-    return [(t, 12, 128) for t in (2048, 16384)]
-
-
-def mix_cases(smoke: bool):
-    if smoke:
-        return [(4, 3, 64)]
-    # tokens, sources (stored blocks + the partial sum; at most 9 in K3), hidden
-    return [(t, 9, 7168) for t in (1, 64, 8192)]
 
 
 def bench_kda(device, smoke, warmup, repeats):
@@ -312,7 +137,7 @@ def bench_kda(device, smoke, warmup, repeats):
                 "baseline": "our PyTorch reference (eager)",
             }
         )
-        vllm_s, note = _vllm_kda_decode(args, warmup, repeats, cuda)
+        vllm_s, note = vllm_kda_decode(args, warmup, repeats, cuda)
         yield (
             {
                 "kernel": "kda_decode[vs vLLM]",
@@ -325,94 +150,6 @@ def bench_kda(device, smoke, warmup, repeats):
                 "baseline": "vLLM's K3 fused_recurrent_kda (without its conv step)",
             }
         )
-
-
-# vLLM's in-tree K3 KDA ops (0.32 to 0.34), one copy per vendor.
-K3_KDA_PACKAGES = (
-    "vllm.models.kimi_k3.nvidia.ops.third_party.kda",
-    "vllm.models.kimi_k3.amd.ops.third_party.kda",
-)
-
-
-def _vllm_chunk_kda(q, k, v, g, beta, state, warmup, repeats, cuda):
-    """vLLM's in-tree ``chunk_kda`` (its port of flash-linear-attention) on the same
-    prompt: bf16 q/k/v as a real layer hands them over, fp32 gate and state."""
-    if not cuda:
-        return None, "vLLM's Triton kernels need a GPU"
-    try:
-        import torch
-
-        chunk_kda, source = _vllm_kda_op("chunk_kda")
-        tokens = q.shape[0]
-        q2, k2, v2 = (x[None].to(torch.bfloat16).contiguous() for x in (q, k, v))
-        g2, beta2 = g[None].float().contiguous(), beta[None].float().contiguous()
-        cu_seqlens = torch.tensor([0, tokens], device=q.device, dtype=torch.int32)
-        initial = state[None].contiguous()
-
-        def run():
-            chunk_kda(
-                q2, k2, v2, g2, beta2, scale=1.0, initial_state=initial.clone(),
-                output_final_state=True, cu_seqlens=cu_seqlens,
-            )  # fmt: skip
-
-        return timed(run, warmup=warmup, repeats=repeats, cuda=True), source
-    except Exception as error:  # a baseline that does not run is reported
-        return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
-
-
-def _vllm_kda_op(name: str):
-    """``(op, where it came from)``: vLLM's in-tree K3 KDA op ``name`` from the
-    installed vLLM (the platform's copy first), else loaded from vLLM's source
-    (``vllm_baselines.k3_kda_ops``)."""
-    import importlib
-
-    import torch
-
-    packages = K3_KDA_PACKAGES[::-1] if torch.version.hip else K3_KDA_PACKAGES
-    for package in packages:
-        try:
-            return getattr(importlib.import_module(package), name), package
-        except (ImportError, AttributeError):
-            continue
-    from vllm_baselines import k3_kda_ops
-
-    ops = k3_kda_ops()
-    return getattr(ops, name), f"from source: {ops.source}"
-
-
-def _vllm_kda_decode(args, warmup, repeats, cuda):
-    """vLLM's in-tree K3 decode step, ``fused_recurrent_kda`` (gate, beta sigmoid
-    and q/k L2 norm in the kernel; its state ``[V, K]``), on the same batch: one
-    token a sequence, each in its own state slot. It takes the convolved q/k/v:
-    vLLM runs ``causal_conv1d_update`` before it, which this time leaves out."""
-    if not cuda:
-        return None, "vLLM's Triton kernels need a GPU"
-    try:
-        import torch
-
-        op, source = _vllm_kda_op("fused_recurrent_kda")
-        batch, heads, dim = args["recurrent_state"].shape[:3]
-        qkv = args["qkv"].view(1, batch, 3, heads, dim)
-        q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
-        raw_g = args["decay"].view(1, batch, heads, dim)
-        raw_beta = torch.logit(args["beta"]).view(1, batch, heads).to(q.dtype)
-        # vLLM's kernel skips a sequence in slot 0 (its null block): slots 1..B.
-        state = args["recurrent_state"]
-        state = torch.cat([torch.zeros_like(state[:1]), state]).transpose(-1, -2)
-        state = state.contiguous()
-        cu_seqlens = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
-        slots = (args["slots"] + 1).to(torch.int32)
-
-        def run():
-            op(
-                q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta, A_log=args["a_log"],
-                dt_bias=args["dt_bias"], lower_bound=-5.0, initial_state=state,
-                cu_seqlens=cu_seqlens, ssm_state_indices=slots,
-            )  # fmt: skip
-
-        return timed(run, warmup=warmup, repeats=repeats, cuda=True), source
-    except Exception as error:  # a baseline that does not run is reported
-        return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
 
 
 def bench_kda_prefill(device, smoke, warmup, repeats):
@@ -461,7 +198,7 @@ def bench_kda_prefill(device, smoke, warmup, repeats):
         )
         row = {"kernel": "kda_prefill[triton]", "shape": shape}
         row.update(s=ours, bytes=moved, flops=flops)
-        row["vllm_s"], row["vllm_note"] = _vllm_chunk_kda(
+        row["vllm_s"], row["vllm_note"] = vllm_chunk_kda(
             *inputs, state, warmup, repeats, cuda
         )
         row["baseline"] = "vLLM chunk_kda"
@@ -582,7 +319,7 @@ def bench_mla(device, smoke, warmup, repeats):
         q = torch.randn(batch, 1, heads, dv + dpe, device=device, dtype=q_dtype)
         cuda = device.type == "cuda"
 
-        baseline = _vllm_mla(q, cache, table, lens, warmup, repeats, cuda)
+        baseline = vllm_mla(q, cache, table, lens, warmup, repeats, cuda)
 
         def run_ours(q=q, cache=cache, table=table, lens=lens, context=context):
             return k.mla_decode(q, cache, table, lens, max_seq_len=context)
@@ -611,46 +348,6 @@ def bench_mla(device, smoke, warmup, repeats):
         del cache
 
 
-def _vllm_mla(q, cache, table, lens, warmup, repeats, cuda):
-    """vLLM's ``decode_attention_fwd`` on the same cache (MLA form: K = the latent,
-    V = its first 512 channels, the same queries), with the KV splits vLLM's Triton
-    MLA backend picks for the batch, and its output."""
-    try:
-        import torch
-        from vllm_baselines import decode_attention_fwd, mla_num_kv_splits
-
-        decode = decode_attention_fwd()
-        batch, _, heads, width = q.shape
-        page = cache.shape[1]
-        sms = (
-            torch.cuda.get_device_properties(q.device).multi_processor_count
-            if cuda
-            else 1
-        )
-        splits = mla_num_kv_splits()(int(lens.max()), sms)
-        k_buffer = cache.view(-1, page, 1, width)
-        v_buffer = k_buffer[..., :512]
-        out = torch.empty(batch, heads, 512, device=q.device, dtype=q.dtype)
-        lse = torch.empty(batch, heads, device=q.device, dtype=torch.float32)
-        logits = torch.empty(batch, heads, splits, 513, device=q.device)
-        q2 = q[:, 0].contiguous()
-        # The layer's scales, made once (vLLM passes the layer's own tensors).
-        k_scale = torch.ones((), device=q.device)
-        v_scale = torch.ones((), device=q.device)
-
-        def run():
-            decode(
-                q2, k_buffer, v_buffer, out, lse, table, lens, logits, splits,
-                1 / math.sqrt(192), page_size=page, k_scale=k_scale, v_scale=v_scale,
-                is_mla=True,
-            )  # fmt: skip
-
-        seconds = timed(run, warmup=warmup, repeats=repeats, cuda=cuda)
-        return seconds, out.float()
-    except Exception as error:  # a baseline that does not run is reported
-        return None, f"vLLM baseline failed: {type(error).__name__}: {error}"[:200]
-
-
 def _side_by_side(row, result, ours) -> None:
     """``row``'s vLLM time, and a note: how far the two outputs are apart (the
     baseline computes the same job), or why the baseline did not run."""
@@ -662,24 +359,6 @@ def _side_by_side(row, result, ours) -> None:
     gap = (ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()
     row["vllm_gap"] = float(gap)
     row["vllm_note"] = f"outputs {float(gap):.1e} apart (of the largest)"
-
-
-def _vllm_moe(z, ids, weights, w13, w2, warmup, repeats, cuda):
-    """vLLM's two ``fused_moe_kernel`` GEMMs with its default tile config, on the
-    same experts quantized to FP8 per channel (per-token activations), timed alone:
-    the sort, the FP8 activations and the SiTU between them are prepared once,
-    untimed (``vllm_baselines``); its output and its reference's."""
-    try:
-        from vllm_baselines import VllmLatentMoe
-
-        baseline = VllmLatentMoe(z, ids, weights, w13, w2)
-        seconds = timed(baseline.gemms, warmup=warmup, repeats=repeats, cuda=cuda)
-        return (seconds, baseline.output), baseline.reference
-    except Exception as error:  # a baseline that does not run is reported
-        return (
-            None,
-            f"vLLM baseline failed: {type(error).__name__}: {error}"[:200],
-        ), None
 
 
 def bench_moe(device, smoke, warmup, repeats):
@@ -717,7 +396,7 @@ def bench_moe(device, smoke, warmup, repeats):
             "bytes": moved,
             "flops": flops,
         }
-        baseline, reference = _vllm_moe(z, ids, weights, w13, w2, warmup, repeats, cuda)
+        baseline, reference = vllm_moe(z, ids, weights, w13, w2, warmup, repeats, cuda)
         _side_by_side(row, baseline, reference)
         if "vllm_gap" in row:
             row["vllm_note"] = (

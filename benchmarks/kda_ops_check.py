@@ -258,12 +258,12 @@ def main(argv=None) -> int:
     ops, failed = vllm_ops_naive, False
     note = "stand-ins in PyTorch (vLLM's KDA kernels need a GPU): not vLLM's"
     if device.type == "cuda":
-        from bench_kernels import _vllm_kda_op
+        from vllm_kernel_runs import vllm_kda_op
 
         ops = None
         try:
-            chunk, note = _vllm_kda_op("chunk_kda_with_fused_gate")
-            recurrent, _ = _vllm_kda_op("fused_recurrent_kda")
+            chunk, note = vllm_kda_op("chunk_kda_with_fused_gate")
+            recurrent, _ = vllm_kda_op("fused_recurrent_kda")
             ops = SimpleNamespace(
                 chunk_kda_with_fused_gate=chunk, fused_recurrent_kda=recurrent
             )

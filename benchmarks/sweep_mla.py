@@ -25,7 +25,7 @@ import math
 import time
 
 import torch
-from bench_kernels import graph_microseconds, script_device
+from kernel_timing import graph_microseconds, script_device
 
 HEADS, PAGE, WIDTH = 16, 64, 576
 SHAPES = ((1, 131072), (32, 32768), (128, 32768), (32, 131072))

@@ -23,13 +23,8 @@ import itertools
 import time
 
 import torch
-from bench_kernels import (
-    K3_MOE,
-    expert_weights,
-    graph_microseconds,
-    routed_tokens,
-    script_device,
-)
+from kernel_cases import K3_MOE, expert_weights, routed_tokens
+from kernel_timing import graph_microseconds, script_device
 
 TOKENS = (1, 16, 256, 4096)
 # From this many tokens: 64- and 128-row blocks, 4 and 8 warps, one orientation.
