@@ -31,6 +31,11 @@ order only; on a GPU they run without tensor cores, several times slower. Under
 ``TRITON_INTERPRET=1`` (whose bf16 and fp16 ``tl.dot`` are not usable) the
 operands are rounded the same way and multiplied as exact fp32 values, which is
 what the tensor cores compute.
+
+One job, kept in one module: the partial kernel, the merge, their device helpers
+and the launcher's split and tile choices are one split-KV decode, each part
+written for the others' layout (the partial results' strides, the splits the grid
+is sized for, the dot format both dots take).
 """
 
 from __future__ import annotations
