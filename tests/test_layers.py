@@ -7,6 +7,7 @@
   source.
 - ``k3_triton_kernels`` imports nothing of the plugin (the same two checks); of the
   plugin, only ``model/`` and ``reference/`` import the kernels.
+- No import circle among the package's modules, function-level imports included.
 - The repository's ``triton_kernels/`` folder never stands in for the package of that
   name vLLM imports, whatever the working directory.
 """
@@ -75,9 +76,10 @@ BLOCKED_IMPORT = textwrap.dedent(
     class Blocked:
         def find_spec(self, name, path=None, target=None):
             top = name.split(".")[0]
-            inside = name == "vllm_k3_plugin" or name.startswith(
-                "vllm_k3_plugin.format"
-            )
+            # The package's root: its __init__ and the version constant it names.
+            inside = name in (
+                "vllm_k3_plugin", "vllm_k3_plugin.version"
+            ) or name.startswith("vllm_k3_plugin.format")
             if top in ("vllm", "torch", "triton", "k3_triton_kernels") or (
                 top == "vllm_k3_plugin" and not inside
             ):
@@ -100,7 +102,66 @@ def test_the_format_core_imports_with_vllm_and_torch_unavailable():
     assert done.returncode == 0, done.stderr
     modules = {f"vllm_k3_plugin.format.{path.stem}" for path in FORMAT.glob("*.py")}
     modules = {name.removesuffix(".__init__") for name in modules}
-    assert set(json.loads(done.stdout)) == {"vllm_k3_plugin", *modules}
+    root = {"vllm_k3_plugin", "vllm_k3_plugin.version"}
+    assert set(json.loads(done.stdout)) == root | modules
+
+
+def _module_name(path: Path, top: Path) -> str:
+    parts = path.relative_to(top.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_circles(top: Path) -> list[list[str]]:
+    """Each circle of imports among the modules under ``top`` (a package folder),
+    as the modules on it. ``from a import b`` imports the module ``a.b`` where
+    there is one, else ``a``."""
+    modules = {_module_name(path, top): path for path in top.rglob("*.py")}
+
+    def owner(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(owner(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.update(
+                    owner(f"{node.module}.{alias.name}") for alias in node.names
+                )
+        edges[name] = targets - {"", name}
+    circles, done = [], set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            circles.append(trail[trail.index(name) :])
+            return
+        if name in done:
+            return
+        for target in sorted(edges[name]):
+            visit(target, [*trail, name])
+        done.add(name)
+
+    for name in sorted(edges):
+        visit(name, [])
+    return circles
+
+
+@pytest.mark.parametrize("top", [PLUGIN, KERNELS], ids=["plugin", "kernels"])
+def test_no_import_circle(top):
+    assert import_circles(top) == []
+
+
+def test_an_import_circle_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from pkg.b import g\n")
+    (package / "b.py").write_text("from pkg import a\n")
+    assert import_circles(package) == [["pkg.a", "pkg.b"]]
 
 
 def test_the_kernels_import_nothing_of_the_plugin():

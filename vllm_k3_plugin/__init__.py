@@ -7,7 +7,9 @@ registers each thing once per process (``registration`` says what and why).
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from vllm_k3_plugin.version import __version__
+
+__all__ = ["__version__", "register"]
 
 _registered = False
 

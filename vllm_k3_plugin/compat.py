@@ -40,7 +40,7 @@ def unsupported_reason(version: str) -> str | None:
     found = release(version)
     if found is not None and OLDEST_TESTED <= found <= NEWEST_TESTED:
         return None
-    from vllm_k3_plugin import __version__
+    from vllm_k3_plugin.version import __version__
 
     newer = found is not None and found > NEWEST_TESTED
     return (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_k3_plugin.format.reasoning import ReplayPolicy
+from vllm_k3_plugin.format.skipped_channel import ReplayPolicy
 
 REPLAY_POLICY_ENV = "VLLM_K3_REPLAY_POLICY"
 

@@ -59,7 +59,6 @@ def register_all() -> None:
     import vllm
     from vllm.logger import init_logger
 
-    from vllm_k3_plugin import __version__
     from vllm_k3_plugin.compat import check_vllm_version
     from vllm_k3_plugin.envs import (
         kda,
@@ -70,6 +69,7 @@ def register_all() -> None:
         moe,
         replay_policy,
     )
+    from vllm_k3_plugin.version import __version__
 
     logger = init_logger("vllm.k3_plugin")
     # An unsupported vLLM or a bad VLLM_K3_* value fails here, at process start, not

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from vllm.config import VllmConfig
 
-from vllm_k3_plugin import __version__
 from vllm_k3_plugin.envs import MODEL_CLASS_ENV
+from vllm_k3_plugin.version import __version__
 
 KEY = "vllm_k3_plugin/model_class/rank{rank}"
 # How long after its own load a rank waits for another's entry. Every rank builds

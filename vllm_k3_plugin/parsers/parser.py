@@ -28,6 +28,7 @@ from vllm.parser.abstract_parser import DelegatingParser
 from vllm_k3_plugin.envs import replay_policy
 from vllm_k3_plugin.format import marked
 from vllm_k3_plugin.format.channel_ids import ReasoningCount
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.events import (
     CallCut,
     Content,
@@ -35,7 +36,6 @@ from vllm_k3_plugin.format.events import (
 )
 from vllm_k3_plugin.format.output import ContentGate, OutputReader, collect_output
 from vllm_k3_plugin.format.reasoning import (
-    Channel,
     ReasoningReader,
     collect,
     split_events,

@@ -32,8 +32,8 @@ from vllm_k3_plugin.format.channel_ids import (
     reasoning_open_after,
     reasoning_span_end,
 )
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.reasoning import (
-    Channel,
     ReasoningReader,
     collect,
     read_whole,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_k3_plugin.format.channel_ids import Decode, reasoning_open_after
-from vllm_k3_plugin.format.reasoning import Channel
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.parsers.request_facts import RequestFacts
 
 

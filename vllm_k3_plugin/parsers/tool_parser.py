@@ -35,6 +35,7 @@ from vllm.entrypoints.generate.base.protocol import (
 from vllm.logger import init_logger
 from vllm.tool_parsers.kimi_k3_tool_parser import KimiK3ToolParser
 
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.events import (
     ArgumentsDelta,
     CallCut,
@@ -46,9 +47,6 @@ from vllm_k3_plugin.format.events import (
 from vllm_k3_plugin.format.output import (
     OutputReader,
     collect_output,
-)
-from vllm_k3_plugin.format.reasoning import (
-    Channel,
 )
 from vllm_k3_plugin.format.tools import (
     ToolCall as ReadCall,

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from vllm_k3_plugin.format import marked, vocab
+from vllm_k3_plugin.format.channels import Channel
 from vllm_k3_plugin.format.output import ContentGate, OutputReader, collect_output
-from vllm_k3_plugin.format.reasoning import Channel
 from vllm_k3_plugin.tools.capture import iter_records
 
 SHAPES_IN_ORDER = (
