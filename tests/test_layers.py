@@ -255,3 +255,18 @@ def test_vllm_started_in_the_repository_root_finds_its_own_triton_kernels():
     found = done.stdout.strip()
     if found != "no copy":
         assert not found.startswith(str(ROOT / "triton_kernels")), found
+
+
+# Modules whose job is the request itself (they change it, or name the endpoint).
+REQUEST_HOOKS = {"request_hooks.py", "k31_efforts.py", "serving_hooks.py"}
+
+
+def test_the_reading_path_reads_the_request_in_one_place():
+    """The parsers read a request's fields once, into ``RequestFacts``
+    (``parsers/request_facts.py``); the request hooks read it for their own job."""
+    readers = sorted(
+        path.name
+        for path in (PLUGIN / "parsers").glob("*.py")
+        if "getattr(request" in path.read_text() or "request.tools" in path.read_text()
+    )
+    assert set(readers) - REQUEST_HOOKS == {"request_facts.py"}
