@@ -63,6 +63,7 @@ VLLM_033_TESTS=(
     tests/parsers/test_request_hooks.py
     tests/parsers/test_serving_hooks.py
     tests/parsers/test_messages_stream.py
+    tests/parsers/test_stream_tally.py
     tests/serving/test_server.py
     tests/serving/test_server_tools.py
     tests/serving/test_thinking_object.py

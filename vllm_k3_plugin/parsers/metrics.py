@@ -6,11 +6,12 @@ streamed. A streamed output whose stream closes before its end was read (its cli
 left, or an error ended the stream) is counted ``aborted`` when the stream closes
 (``StreamTally``), so each output that began is counted once, whatever the order in
 which its end and its client's leaving reach the server. The per-token path pays
-nothing but a few attribute updates on events it already handles (a call opened,
-cut or dropped). The metrics are made on first use with ``prometheus_client``'s
-default registry: vLLM serves that registry, and in its multiprocess mode (several
-API servers) each process writes its values where vLLM's ``/metrics`` collects
-them. ``VLLM_K3_METRICS=0`` counts nothing.
+nothing but a few attribute updates on events it already handles (a call opened, cut
+or dropped); a stream, one more generator step a chunk (``tallied``). The metrics
+are made on first use with ``prometheus_client``'s default registry: vLLM serves
+that registry, and in its multiprocess mode (several API servers) each process
+writes its values where vLLM's ``/metrics`` collects them. ``VLLM_K3_METRICS=0``
+counts nothing.
 
 ``README.md`` says what each metric means.
 """
@@ -37,16 +38,13 @@ ENDINGS = (
 # Characters read before the think channel was decided.
 _DECIDED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, float("inf"))
 
-_SERVING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
-    "vllm_k3_plugin_serving", default=None
-)
-
 
 class StreamTally:
     """A streamed request's outputs: how many began (their first delta read) and
-    how many ended (their last). Set in the task that iterates the stream, where the
-    parser reads each delta; at the stream's close, the outputs that began and did
-    not end are counted ``aborted``."""
+    how many ended (their last), as the parser reads them (``RequestFacts.tally``);
+    at the stream's close (``tallied``), the outputs that began and did not end are
+    counted ``aborted``. Held by the request's entry, not by a task: vLLM may read a
+    stream in a new task for each chunk (``--sse-keep-alive-interval``)."""
 
     __slots__ = ("began", "ended", "labels")
 
@@ -61,70 +59,76 @@ class StreamTally:
             _metrics().outputs.labels(*self.labels, "aborted").inc(unfinished)
 
 
-_TALLY: contextvars.ContextVar[StreamTally | None] = contextvars.ContextVar(
-    "vllm_k3_plugin_stream_tally", default=None
+class Serving(NamedTuple):
+    """How a request's outputs are counted."""
+
+    labels: tuple[str, str]
+    """``(endpoint, stream)``."""
+    tally: StreamTally | None
+    """A streamed request's tally; ``None`` for a whole reply."""
+
+
+_SERVING: contextvars.ContextVar[Serving | None] = contextvars.ContextVar(
+    "vllm_k3_plugin_serving", default=None
 )
+_OTHER = Serving(("other", "false"), None)
 
 
-# The labels of requests being served, by the identity of the request object the
+# How requests being served are counted, by the identity of the request object the
 # parser is handed: a stream is read in the response's task, which does not see
 # what the handler's task set (vLLM runs handlers in a task of their own). Each
 # output of the request (``n`` of them) reads its entry; the oldest go past the
 # bound, and a new request at a reused identity is stamped afresh.
-_LABELS: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
+_LABELS: collections.OrderedDict[int, Serving] = collections.OrderedDict()
 _MAX_LABELS = 16384
 
 
 def serving(endpoint: str, stream: Any, request: Any = None) -> StreamTally | None:
     """The request being served: ``endpoint`` as the metrics name it, the first
     that says so (``/v1/messages`` runs through chat completions); ``request``: the
-    object the parser will be handed, if this is it. The first to say so of a
-    streamed request gets the tally its stream keeps (``tallied``)."""
-    labels = _SERVING.get()
-    tally = None
-    if labels is None:
+    object the parser will be handed, if this is it (``/v1/messages``' inner chat
+    request gets its entry). The first to say so of a streamed request gets the
+    tally its stream is closed with (``tallied``)."""
+    served = _SERVING.get()
+    new_tally = None
+    if served is None:
         labels = (endpoint, "true" if stream else "false")
-        _SERVING.set(labels)
-        if stream:
-            tally = StreamTally(labels)
+        new_tally = StreamTally(labels) if stream else None
+        served = Serving(labels, new_tally)
+        _SERVING.set(served)
     if request is not None:
-        _LABELS[id(request)] = labels
+        _LABELS[id(request)] = served
         _LABELS.move_to_end(id(request))
         while len(_LABELS) > _MAX_LABELS:
             _LABELS.popitem(last=False)
-    return tally
+    return new_tally
 
 
 async def tallied(stream: AsyncIterator[Any], tally: StreamTally) -> AsyncIterator[Any]:
-    """``stream``, its outputs tallied while it is read; closed however it ends
-    (read to its end, an error, or closed or cancelled when its client left)."""
-    _TALLY.set(tally)
+    """``stream``; when it closes, however it ends (read to its end, an error, or
+    closed or cancelled when its client left), its outputs that began and did not
+    end are counted ``aborted``."""
     try:
         async for item in stream:
             yield item
     finally:
-        tally.close()
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        try:
+            tally.close()
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
-def output_began() -> None:
-    """Called by ``K3Parser`` on an output's first delta."""
-    tally = _TALLY.get()
-    if tally is not None:
-        tally.began += 1
-
-
-def labels_for(request_id: int, *, outputs: int) -> tuple[str, str]:
-    """The labels of an output of the request whose identity is ``request_id``
+def serving_of(request_id: int, *, outputs: int) -> Serving:
+    """How an output of the request whose identity is ``request_id`` is counted
     (``id(request)``, as ``serving`` stamped it), looked up when the output's
     reading begins (``request_facts.read_request``)."""
     # Kept for the request's other outputs (``n``); with one, dropped now, so that
-    # a later request at the same identity that was never labelled reads "other".
+    # a later request at the same identity that was never stamped reads "other".
     kept = outputs > 1
-    labels = _LABELS.get(request_id) if kept else _LABELS.pop(request_id, None)
-    return labels or _SERVING.get() or ("other", "false")
+    served = _LABELS.get(request_id) if kept else _LABELS.pop(request_id, None)
+    return served or _SERVING.get() or _OTHER
 
 
 class _Metrics(NamedTuple):
@@ -236,10 +240,7 @@ def count_output(
     markup_dropped: dict[str, int],
     decided_after: int | None,
 ) -> None:
-    """Count one finished output, under ``labels`` (``labels_for``)."""
-    tally = _TALLY.get()
-    if tally is not None:
-        tally.ended += 1
+    """Count one finished output, under ``labels`` (``serving_of``)."""
     if not metrics_enabled():
         return
     metrics = _metrics()

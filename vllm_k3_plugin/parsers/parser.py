@@ -45,7 +45,6 @@ from vllm_k3_plugin.parsers.metrics import (
     OutputCounts,
     count_output,
     ending,
-    output_began,
 )
 from vllm_k3_plugin.parsers.reasoning_parser import K3ReasoningParser
 from vllm_k3_plugin.parsers.request_facts import RequestFacts, read_request
@@ -322,7 +321,8 @@ class K3Parser(DelegatingParser):
             facts = self._read_request(request)
             reader = self._reader(facts, prompt_ids, None)
             stream = self._stream = _Stream(facts, reader, len(prompt_ids or ()))
-            output_began()
+            if facts.tally is not None:
+                facts.tally.began += 1
 
         events = (
             stream.reader.feed(delta_text, delta_token_ids)
@@ -363,6 +363,8 @@ class K3Parser(DelegatingParser):
                 content=stream.content_seen or content,
                 reasoning=stream.reasoning_seen or reasoning,
             )
+            if stream.facts.tally is not None:
+                stream.facts.tally.ended += 1
         if content:
             stream.content_seen = True
         if reasoning:

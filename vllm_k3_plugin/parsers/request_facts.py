@@ -66,6 +66,9 @@ class RequestFacts:
     labels: tuple[str, str] | None
     """``(endpoint, stream)``, the output's labels on ``/metrics``; ``None`` where
     the output is not counted (a tool parser driven bare)."""
+    tally: metrics.StreamTally | None
+    """A streamed request's tally of the outputs that began and ended (``None``
+    for a whole reply, or where not counted)."""
 
 
 def read_request(
@@ -85,6 +88,11 @@ def read_request(
     """
     tools = _declared(request)
     stop_strings = bool(getattr(request, "stop", None))
+    served = (
+        metrics.serving_of(id(request), outputs=getattr(request, "n", None) or 1)
+        if counted
+        else None
+    )
     return RequestFacts(
         tools=tools,
         tool_names=(
@@ -105,11 +113,8 @@ def read_request(
         # Read only where needed, as before: vLLM warns when ``max_tokens`` is read.
         budget=_token_budget(request) if stop_strings else None,
         max_model_len=max_model_len,
-        labels=(
-            metrics.labels_for(id(request), outputs=getattr(request, "n", None) or 1)
-            if counted
-            else None
-        ),
+        labels=served.labels if served else None,
+        tally=served.tally if served else None,
     )
 
 

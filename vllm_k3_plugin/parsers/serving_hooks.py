@@ -19,6 +19,10 @@ decides:
 Responses needs nothing: it reports the engine's finish reason. A Responses stream
 an error ends sends ``response.failed`` (``stream_faults``).
 
+The endpoint hook (``_serving_as``) labels each request for the metrics and wraps a
+streamed reply so that its outputs cut short are counted when it closes
+(``metrics.tallied``).
+
 All hooks are installed once, in the API server, when vLLM first composes a
 ``kimi_k3`` parser. The finish-reason hooks change nothing for a reply with no K3
 output read; the ``/v1/messages`` conversion keeps any non-object arguments as text.
