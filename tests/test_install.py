@@ -236,9 +236,28 @@ def test_the_model_class_settings_set_where_the_class_is_off_are_named_once(
         "VLLM_K3_KERNELS=pytorch, VLLM_K3_MOE=triton: these settings act only on "
         "the plugin's Kimi-K3 model class, which is off here "
         "(VLLM_K3_MODEL_CLASS=vllm, its default off the CPU): vLLM's in-tree class "
-        "serves and ignores them. VLLM_K3_MODEL_CLASS=plugin turns the plugin's "
-        "class on."
+        "serves and ignores them. Unset them, or set VLLM_K3_MODEL_CLASS=plugin to "
+        "serve with the plugin's class (not yet run on a GPU)."
     ]
+
+
+def test_vllm_knows_every_setting(monkeypatch):
+    """Registered, the settings are vLLM's known variables: no 'unknown vLLM
+    environment variable' warning, and --fail-on-environ-validation starts."""
+    from vllm import envs as vllm_envs
+    from vllm.platforms.interface import Platform
+
+    from vllm_k3_plugin.envs import SETTINGS
+    from vllm_k3_plugin.registration import register_all
+
+    register_all()
+    for name in SETTINGS:
+        monkeypatch.setenv(name, "1")
+        assert name in vllm_envs.environment_variables
+    Platform.validate_environ(hard_fail=True)
+    monkeypatch.setenv("VLLM_K3_NO_SUCH_SETTING", "1")
+    with pytest.raises(ValueError, match="VLLM_K3_NO_SUCH_SETTING"):
+        Platform.validate_environ(hard_fail=True)
 
 
 def test_the_class_turned_off_by_its_setting_is_named_so(start_log, monkeypatch):

@@ -155,3 +155,13 @@ def metrics() -> bool:
     """``VLLM_K3_METRICS``: ``1`` (default) counts what the kimi_k3 parsers read on
     vLLM's ``/metrics``; ``0`` counts nothing."""
     return _choice(METRICS_ENV, "1", ("0", "1"), "a metrics") == "1"
+
+
+# Every setting, as vLLM is told of them (``registration``).
+SETTINGS = (
+    REPLAY_POLICY_ENV,
+    MODEL_CLASS_ENV,
+    *MODEL_CLASS_SETTINGS,
+    ALLOW_UNSUPPORTED_VLLM_ENV,
+    METRICS_ENV,
+)

@@ -72,6 +72,7 @@ def register_all() -> None:
     from vllm_k3_plugin.version import __version__
 
     logger = init_logger("vllm.k3_plugin")
+    _declare_settings()
     # An unsupported vLLM or a bad VLLM_K3_* value fails here, at process start, not
     # in a request or when the model is built.
     check_vllm_version(getattr(vllm, "__version__", "unknown"), logger.warning)
@@ -105,6 +106,22 @@ def register_all() -> None:
         _warn_of_ignored_settings(logger, models)
 
 
+def _declare_settings() -> None:
+    """Tell vLLM of every ``VLLM_K3_*`` setting (``vllm.envs.environment_variables``):
+    vLLM warns of a ``VLLM_`` variable it does not know, and refuses to start with
+    one under ``--fail-on-environ-validation``; the torch.compile cache is keyed on
+    the variables it knows, as it should be on the model class's settings."""
+    import vllm.envs
+
+    from vllm_k3_plugin.envs import SETTINGS
+
+    known = getattr(vllm.envs, "environment_variables", None)
+    if not isinstance(known, dict):
+        return
+    for name in SETTINGS:
+        known.setdefault(name, functools.partial(os.environ.get, name))
+
+
 def _warn_of_ignored_settings(logger: Any, models: str) -> None:
     """One warning naming the model class's settings that are set while vLLM's
     in-tree class serves: they change nothing, and nothing else would say so."""
@@ -121,8 +138,9 @@ def _warn_of_ignored_settings(logger: Any, models: str) -> None:
     say_once_logging_is_configured(
         logger,
         "%s: these settings act only on the plugin's Kimi-K3 model class, which "
-        "is off here (%s): vLLM's in-tree class serves and ignores them. "
-        "%s=plugin turns the plugin's class on.",
+        "is off here (%s): vLLM's in-tree class serves and ignores them. Unset "
+        "them, or set %s=plugin to serve with the plugin's class (not yet run on "
+        "a GPU).",
         ", ".join(ignored),
         chosen_by,
         MODEL_CLASS_ENV,
