@@ -132,18 +132,57 @@ INTERNAL = (
 
 @pytest.mark.parametrize("phrase", INTERNAL)
 def test_no_text_for_the_authors(phrase):
+    """Found across line breaks too (the text's whitespace collapsed)."""
     places = [
         *DOCS,
         *(ROOT / "scripts").glob("*"),
         *(ROOT / "benchmarks" / "results").glob("*.txt"),
     ]
+    wanted = " ".join(phrase.lower().split())
     found = [
-        f"{path.relative_to(ROOT)}:{number}"
+        str(path.relative_to(ROOT))
         for path in places
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if phrase.lower() in line.lower()
+        if wanted in " ".join(path.read_text().lower().split())
     ]
     assert found == []
+
+
+_DOTTED = re.compile(r"^(vllm_k3_plugin|k3_triton_kernels)(\.\w+)+(:\w+)?$")
+
+
+def test_every_module_and_name_the_docs_name_exists():
+    """``vllm_k3_plugin.wire.MoonshotWireSpec``, ``...model.model:KimiK3ForCausalLM``:
+    the longest importable module, then attributes."""
+    import importlib
+
+    pytest.importorskip("vllm")
+    missing = []
+    for doc in DOCS:
+        text = _EXTERNAL_LINK.sub("", doc.read_text())
+        for token in sorted(set(re.findall(r"`([^`\n]+)`", text))):
+            if not _DOTTED.match(token):
+                continue
+            parts = token.replace(":", ".").split(".")
+            for cut in range(len(parts), 0, -1):
+                try:
+                    found = importlib.import_module(".".join(parts[:cut]))
+                    break
+                except ImportError:
+                    continue
+            for attribute in parts[cut:]:
+                found = getattr(found, attribute, None)
+            if found is None:
+                missing.append(f"{doc.relative_to(ROOT)}: {token}")
+    assert missing == []
+
+
+def test_the_readme_says_what_each_ending_of_the_outputs_counter_means():
+    from vllm_k3_plugin.parsers.metrics import ENDINGS
+
+    row = next(
+        line for line in _readme().splitlines() if "`vllm_k3_outputs_total`" in line
+    )
+    assert [ending for ending in ENDINGS if f"`{ending}`" not in row] == []
 
 
 def _readme() -> str:

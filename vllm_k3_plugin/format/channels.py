@@ -2,7 +2,7 @@
 (K3_FORMAT.md, rules 1-7): the channel a caller sees (``Channel``), the reader's
 states within the channels (``State``), the markers that move it, spelled as the
 readers read them (marked text, ``marked``), and which of them matter in each
-state. Data only: the transitions are ``reasoning.ReasoningReader``'s.
+state. Data only: the transitions are ``transitions.ChannelTransitions``'s.
 """
 
 from __future__ import annotations
