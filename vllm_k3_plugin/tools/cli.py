@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from vllm_k3_plugin.tools.capture import API_KEY_ENV
+from vllm_k3_plugin.tools.capture import API_KEY_ENV, CaptureError, capture
 
 DESCRIPTION = (
     "Capture what a Kimi-K3 server's model wrote (every marker kept), and replay "
@@ -95,8 +95,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    from vllm_k3_plugin.tools.capture import CaptureError, capture
-
     try:
         count = asyncio.run(
             capture(
