@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any, NamedTuple
 
 from vllm_k3_plugin.envs import metrics as metrics_enabled
@@ -104,7 +104,9 @@ def serving(endpoint: str, stream: Any, request: Any = None) -> StreamTally | No
     return new_tally
 
 
-async def tallied(stream: AsyncIterator[Any], tally: StreamTally) -> AsyncIterator[Any]:
+async def tallied(
+    stream: AsyncGenerator[Any, None], tally: StreamTally
+) -> AsyncGenerator[Any, None]:
     """``stream``; when it closes, however it ends (read to its end, an error, or
     closed or cancelled when its client left), its outputs that began and did not
     end are counted ``aborted``."""
@@ -115,9 +117,7 @@ async def tallied(stream: AsyncIterator[Any], tally: StreamTally) -> AsyncIterat
         try:
             tally.close()
         finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await stream.aclose()
 
 
 def serving_of(request_id: int, *, outputs: int) -> Serving:
